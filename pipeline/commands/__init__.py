@@ -1,0 +1,1 @@
+"""Click commands owned by feature modules; `pipeline.cli` registers them."""

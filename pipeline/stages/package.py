@@ -1,0 +1,33 @@
+"""package: render the Triton model repository (ensemble, pre/postprocessing, tensorrt_llm, BLS)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import BuildConfig
+from pipeline.stages.runner import StageInput, StageSpec
+
+
+def produce(cfg: BuildConfig, inputs: dict[str, StageInput], out: Path) -> dict[str, Any]:
+    from pipeline.serving.repository import render_model_repository
+
+    return dict(render_model_repository(cfg, inputs["engine"].dir, out))
+
+
+def describe(cfg: BuildConfig, out: Path) -> list[str]:
+    s = cfg.serving
+    backend = "tensorrtllm" if cfg.backend == "trtllm" else "python"
+    return [f"render model repository -> {out}: ensemble, preprocessing, tensorrt_llm (backend {backend}, "
+            f"decoupled {str(s.decoupled).lower()}), postprocessing, tensorrt_llm_bls"]
+
+
+SPEC = StageSpec(
+    name="package",
+    dirname="model_repo",
+    config_sections=("backend", "serving", "engine", "kv_cache", "scheduler", "speculative"),
+    inputs=("engine",),
+    produce=produce,
+    describe=describe,
+    summary="Write the Triton model repository for the engine.",
+)
