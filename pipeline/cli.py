@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -33,7 +32,23 @@ def config_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return click.argument("config", type=click.Path(dir_okay=False))(func)
 
 
-@click.group(context_settings=CONTEXT)
+class _Cli(click.Group):
+    """Turns user-fixable errors into one line plus a hint (exit 1); bugs keep their traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except PipelineError as err:
+            if os.environ.get("LLMPIPE_DEBUG") == "1":
+                raise
+            click.echo(f"Error: {err.message}", err=True)
+            if err.hint:
+                click.echo(f"Hint: {err.hint}", err=True)
+            click.echo("(set LLMPIPE_DEBUG=1 for the traceback)", err=True)
+            ctx.exit(err.exit_code)
+
+
+@click.group(cls=_Cli, context_settings=CONTEXT)
 @click.version_option(__version__, prog_name="llmpipe")
 def cli() -> None:
     """llmpipe: Hugging Face checkpoint -> quantized in-flight-batching engine -> Triton model repository.
@@ -172,25 +187,5 @@ _register_external_commands()
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: user-fixable errors become one line plus a hint; bugs keep their traceback."""
-    try:
-        cli.main(args=argv, prog_name="llmpipe", standalone_mode=False)
-    except click.exceptions.Abort:
-        click.echo("Aborted.", err=True)
-        sys.exit(130)
-    except click.ClickException as err:
-        err.show()
-        sys.exit(err.exit_code)
-    except PipelineError as err:
-        if os.environ.get("LLMPIPE_DEBUG") == "1":
-            raise
-        click.echo(f"Error: {err.message}", err=True)
-        if err.hint:
-            click.echo(f"Hint: {err.hint}", err=True)
-        click.echo("(set LLMPIPE_DEBUG=1 for the traceback)", err=True)
-        sys.exit(err.exit_code)
-    except SystemExit:
-        raise
-    except KeyboardInterrupt:
-        click.echo("Interrupted.", err=True)
-        sys.exit(130)
+    """Console-script entry point."""
+    cli.main(args=argv, prog_name="llmpipe")

@@ -15,7 +15,9 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = 0  # 0 = no top-k restriction
     top_p: float = 1.0  # 1.0 = no nucleus restriction
-    repetition_penalty: float = 1.0  # HF-style: divides positive logits of seen tokens, multiplies negative ones
+    repetition_penalty: float = (
+        1.0  # HF-style: divides positive logits of seen tokens, multiplies negative ones
+    )
     presence_penalty: float = 0.0  # subtracted once from the logit of every generated token
     frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
     end_id: int | None = None  # stop when this token is sampled (kept in the output, like HF)
@@ -29,8 +31,15 @@ class SamplingParams:
     def __post_init__(self) -> None:
         _check(self.max_tokens >= 1, "max_tokens", self.max_tokens, ">= 1")
         _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, ">= 0")
-        _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
-        _check(math.isfinite(self.temperature) and self.temperature >= 0, "temperature", self.temperature, ">= 0")
+        _check(
+            self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            self.min_tokens,
+            f"<= max_tokens ({self.max_tokens})",
+        )
+        _check(
+            math.isfinite(self.temperature) and self.temperature >= 0, "temperature", self.temperature, ">= 0"
+        )
         _check(self.top_k >= 0, "top_k", self.top_k, ">= 0")
         _check(math.isfinite(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
         _check(

