@@ -56,5 +56,8 @@ bench: install  ## engine benchmark on SmolLM2 (see benchmarks/)
 tiny-model: install  ## the tiny random Llama used by build_configs/tiny-llama.yaml
 	$(PY) scripts/make_tiny_model.py build/tiny-llama-hf
 
+image:  ## GPU hosts: the serving image (TensorRT-LLM 1.2 Triton container) that also builds engines
+	docker build -t llmpipe:trtllm .
+
 clean:  ## remove build outputs (keeps .venv)
 	rm -rf build model_repo/build .pytest_cache .cache

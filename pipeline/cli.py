@@ -104,6 +104,10 @@ def build(config: str, overrides: tuple[str, ...], force: bool, dry_run: bool, u
       llmpipe build build_configs/llama3-8b-int4-awq-tp2.yaml --dry-run
     """
     cfg = load_build_config(config, overrides)
+    if cfg.backend == "trtllm" and not dry_run:
+        from pipeline.backends.trtllm.env import require_trtllm
+
+        require_trtllm()  # stop before a long Hub download on a host that cannot build anyway
     names = [s.name for s in PIPELINE]
     specs = PIPELINE[: names.index(until) + 1] if until else PIPELINE
     _run_stages(cfg, specs, force, dry_run)

@@ -86,6 +86,8 @@ class CalibrationConfig(_Strict):
     dataset: str = Field("builtin", description="'builtin' (ships with llmpipe) or a path to a text/JSONL file.")
     num_samples: int = Field(32, ge=1, description="Calibration samples (TRT-LLM: --calib_size).")
     max_seq_length: int = Field(512, ge=16, description="Tokens per calibration sample (--calib_max_seq_length).")
+    batch_size: int = Field(1, ge=1, description="Calibration batch size (quantize.py --batch_size).")
+    seed: int = Field(1234, description="Calibration sampling seed (quantize.py --seed).")
 
 
 class QuantizationConfig(_Strict):
@@ -122,6 +124,9 @@ class EngineLimits(_Strict):
     max_num_tokens: int = Field(2048, ge=1, description="Token budget of one engine step (all sequences together).")
     max_beam_width: int = Field(1, ge=1, description="Beam search width; 1 = no beam search.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="torch backend device; auto = cuda if present.")
+    multiple_profiles: bool = Field(True, description="trtllm: more TensorRT profiles (longer build, faster steps).")
+    visualize_network: bool = Field(True, description="trtllm: export the network as ONNX into the engine folder.")
+    build_workers: int | None = Field(None, ge=1, description="trtllm-build --workers; None = tp_size * pp_size.")
 
 
 class KvCacheConfig(_Strict):
@@ -211,6 +216,9 @@ class SpeculativeConfig(_Strict):
     draft_config: str | None = Field(None, description="Build config of the draft engine (mode=draft_model).")
     ngram: NgramConfig = Field(default_factory=NgramConfig, description="Prompt-lookup settings (mode=ngram).")
     adaptive: bool = Field(True, description="Shrink the draft length while drafts are being rejected.")
+    lookahead_window_size: int = Field(4, ge=1, description="Lookahead window W (mode=lookahead, trtllm).")
+    lookahead_ngram_size: int = Field(3, ge=1, description="Lookahead n-gram size N (mode=lookahead, trtllm).")
+    lookahead_verification_set_size: int = Field(4, ge=1, description="Lookahead verification set G (trtllm).")
 
 
 class BuildConfig(_Strict):

@@ -1,0 +1,31 @@
+# llmpipe for NVIDIA GPU hosts: the serving image of the pinned TensorRT-LLM release, with llmpipe in it.
+#
+# Engines are built INSIDE this image, by the same TensorRT-LLM/TensorRT that serves them: a TensorRT plan
+# only loads in the version that wrote it (REFERENCE.md §6, P1). The base tag must stay equal to
+# pipeline/backends/trtllm/versions.py RELEASES[PINNED].triton_container (a contract test checks it).
+#
+#   make image                      # docker build -t llmpipe:trtllm .
+#   docker run --rm --gpus all llmpipe:trtllm doctor
+#   docker run --rm --gpus all -v "$PWD/build:/opt/llmpipe/build" -v "$HOME/models:/models:ro" \
+#       llmpipe:trtllm build build_configs/<config>.yaml     # convert, quantize, trtllm-build, package
+#   docker run --rm --gpus all --shm-size=2g -p 127.0.0.1:8000-8002:8000-8002 \
+#       -v "$PWD/build:/opt/llmpipe/build" llmpipe:trtllm serve build_configs/<config>.yaml
+ARG BASE_IMAGE=nvcr.io/nvidia/tritonserver:25.12-trtllm-python-py3
+FROM ${BASE_IMAGE}
+
+WORKDIR /opt/llmpipe
+COPY pyproject.toml README.md ./
+COPY pipeline ./pipeline
+COPY build_configs ./build_configs
+COPY model_repo ./model_repo
+
+# NOTE: --no-deps keeps the image's torch, transformers and tensorrt_llm exactly as NVIDIA built them
+# (TensorRT-LLM pins its own transformers); only the pure-Python libraries llmpipe adds are installed.
+RUN python3 -m pip install --no-cache-dir --no-deps -e . \
+ && python3 -m pip install --no-cache-dir \
+        "click>=8.1,<9" "pyyaml>=6,<7" "pydantic>=2.6,<3" "gguf>=0.10,<1" "onnx>=1.16,<2" "tqdm>=4.66" \
+        "tritonclient[all]>=2.50,<3" \
+ && python3 -c "import tensorrt_llm, pipeline.cli; print('tensorrt_llm', tensorrt_llm.__version__)"
+
+ENTRYPOINT ["llmpipe"]
+CMD ["doctor"]

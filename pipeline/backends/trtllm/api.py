@@ -1,0 +1,90 @@
+"""The TensorRT-LLM Python entry points llmpipe calls, imported in one place.
+
+Signatures used (TensorRT-LLM 1.x, `tensorrt_llm/models/llama/model.py`, `examples/models/core/llama/
+convert_checkpoint.py`):
+  Mapping(world_size=, rank=, tp_size=, pp_size=)
+  QuantConfig(quant_algo=, kv_cache_quant_algo=, group_size=, ...)
+  <ModelCls>.from_hugging_face(hf_model_or_dir, dtype='auto', mapping=None, quant_config=None, **kwargs)
+  <model>.save_checkpoint(output_dir, save_config=True)
+  <ModelCls>.quantize(hf_model_dir, output_dir, dtype='auto', mapping=None, quant_config=None, *,
+                      calib_dataset=, calib_batches=, calib_batch_size=, calib_max_seq_length=,
+                      random_seed=, tokenizer_max_seq_length=)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.backends.trtllm.env import require_trtllm
+from pipeline.errors import UnsupportedModelError
+
+# HF architecture -> TensorRT-LLM model class (MODEL_MAP maps Mistral onto the Llama implementation).
+MODEL_CLASS_FOR_ARCHITECTURE: dict[str, str] = {
+    "LlamaForCausalLM": "LLaMAForCausalLM",
+    "MistralForCausalLM": "LLaMAForCausalLM",
+    "Qwen2ForCausalLM": "QWenForCausalLM",
+}
+
+
+@dataclass(frozen=True)
+class TrtllmApi:
+    version: str
+    mapping: Any  # tensorrt_llm.mapping.Mapping
+    quant_config: Any  # tensorrt_llm.models.modeling_utils.QuantConfig
+    quant_algo: Any  # tensorrt_llm.quantization.QuantAlgo
+    models: Any  # the tensorrt_llm.models module
+
+    def model_class(self, class_name: str) -> Any:
+        return getattr(self.models, class_name)
+
+    def make_quant_config(
+        self, quant_algo: str | None, kv_cache_quant_algo: str | None, group_size: int
+    ) -> Any:
+        return self.quant_config(
+            quant_algo=None if quant_algo is None else self.quant_algo[quant_algo],
+            kv_cache_quant_algo=None if kv_cache_quant_algo is None else self.quant_algo[kv_cache_quant_algo],
+            group_size=group_size,
+        )
+
+
+def load_api() -> TrtllmApi:
+    """Import TensorRT-LLM (or raise BackendUnavailableError with what to install)."""
+    require_trtllm()
+    import tensorrt_llm
+    import tensorrt_llm.models as models
+    from tensorrt_llm.mapping import Mapping
+    from tensorrt_llm.models.modeling_utils import QuantConfig
+    from tensorrt_llm.quantization import QuantAlgo
+
+    return TrtllmApi(str(tensorrt_llm.__version__), Mapping, QuantConfig, QuantAlgo, models)
+
+
+def hf_architecture(hf_dir: Path) -> str:
+    config = json.loads((hf_dir / "config.json").read_text())
+    architectures = config.get("architectures") or []
+    return str(architectures[0]) if architectures else ""
+
+
+def model_class_name(hf_dir: Path) -> str:
+    arch = hf_architecture(hf_dir)
+    if arch not in MODEL_CLASS_FOR_ARCHITECTURE:
+        raise UnsupportedModelError(
+            f"{hf_dir}: architecture {arch or '(none)'} has no TensorRT-LLM mapping in llmpipe",
+            hint=f"Supported: {', '.join(MODEL_CLASS_FOR_ARCHITECTURE)}.",
+        )
+    return MODEL_CLASS_FOR_ARCHITECTURE[arch]
+
+
+def check_unified_checkpoint(out_dir: Path, world_size: int) -> list[str]:
+    """The files a TensorRT-LLM checkpoint must have: config.json and one rank{r}.safetensors per rank."""
+    expected = ["config.json"] + [f"rank{r}.safetensors" for r in range(world_size)]
+    missing = [name for name in expected if not (out_dir / name).is_file()]
+    if missing:
+        raise UnsupportedModelError(
+            f"TensorRT-LLM wrote no {', '.join(missing)} into {out_dir}",
+            hint="See the TensorRT-LLM log above; the checkpoint is incomplete.",
+        )
+    return expected

@@ -1,0 +1,21 @@
+trtllm-build \
+    --checkpoint_dir build/draft-target/quantized \
+    --output_dir build/draft-target/engine \
+    --max_batch_size 8 \
+    --max_input_len 3200 \
+    --max_seq_len 4800 \
+    --max_num_tokens 8192 \
+    --max_beam_width 1 \
+    --kv_cache_type paged \
+    --tokens_per_block 32 \
+    --gpt_attention_plugin float16 \
+    --context_fmha enable \
+    --use_paged_context_fmha enable \
+    --remove_input_padding enable \
+    --multiple_profiles enable \
+    --gemm_plugin float16 \
+    --speculative_decoding_mode draft_tokens_external \
+    --max_draft_len 10 \
+    --workers 1 \
+    --visualize_network build/draft-target/engine/network_onnx \
+    --log_level info

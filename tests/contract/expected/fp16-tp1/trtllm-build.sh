@@ -1,0 +1,19 @@
+trtllm-build \
+    --checkpoint_dir build/fp16-tp1/quantized \
+    --output_dir build/fp16-tp1/engine \
+    --max_batch_size 64 \
+    --max_input_len 2048 \
+    --max_seq_len 4096 \
+    --max_num_tokens 8192 \
+    --max_beam_width 1 \
+    --kv_cache_type paged \
+    --tokens_per_block 32 \
+    --gpt_attention_plugin float16 \
+    --context_fmha enable \
+    --use_paged_context_fmha enable \
+    --remove_input_padding enable \
+    --multiple_profiles enable \
+    --gemm_plugin float16 \
+    --workers 1 \
+    --visualize_network build/fp16-tp1/engine/network_onnx \
+    --log_level info

@@ -1,0 +1,18 @@
+trtllm-build \
+    --checkpoint_dir build/fp8-kv-reuse-chunked/quantized \
+    --output_dir build/fp8-kv-reuse-chunked/engine \
+    --max_batch_size 128 \
+    --max_input_len 8192 \
+    --max_seq_len 8192 \
+    --max_num_tokens 4096 \
+    --max_beam_width 1 \
+    --kv_cache_type paged \
+    --tokens_per_block 64 \
+    --gpt_attention_plugin bfloat16 \
+    --context_fmha enable \
+    --use_paged_context_fmha enable \
+    --remove_input_padding enable \
+    --multiple_profiles enable \
+    --workers 1 \
+    --visualize_network build/fp8-kv-reuse-chunked/engine/network_onnx \
+    --log_level info

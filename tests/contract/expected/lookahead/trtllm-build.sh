@@ -1,0 +1,21 @@
+trtllm-build \
+    --checkpoint_dir build/lookahead/quantized \
+    --output_dir build/lookahead/engine \
+    --max_batch_size 16 \
+    --max_input_len 1024 \
+    --max_seq_len 2048 \
+    --max_num_tokens 4096 \
+    --max_beam_width 1 \
+    --kv_cache_type paged \
+    --tokens_per_block 32 \
+    --gpt_attention_plugin bfloat16 \
+    --context_fmha enable \
+    --use_paged_context_fmha enable \
+    --remove_input_padding enable \
+    --multiple_profiles enable \
+    --gemm_plugin bfloat16 \
+    --speculative_decoding_mode lookahead_decoding \
+    --max_draft_len 15 \
+    --workers 1 \
+    --visualize_network build/lookahead/engine/network_onnx \
+    --log_level info
