@@ -1,0 +1,147 @@
+"""build (torch backend): checkpoint directory -> engine directory. The torch runtime needs no compiled
+plan, so "building" records the limits the engine was built for (TensorRT-LLM's `build_config`) and the
+serving defaults next to the checkpoint's weights, which are hard-linked when possible."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import pipeline
+from pipeline.config import BuildConfig
+from pipeline.errors import ConfigError, MissingArtifactError
+from pipeline.runtime.engine_config import (
+    TOKENIZER_DIR,
+    WEIGHTS_FILE,
+    BuildLimits,
+    EngineConfig,
+    PluginConfig,
+    RuntimeDefaults,
+    engine_config_from_dict,
+    write_engine_config,
+)
+
+# speculative.mode -> TensorRT-LLM's SpeculativeDecodingMode name.
+SPECULATIVE_MODES: dict[str, str | None] = {
+    "none": None,
+    "draft_model": "draft_tokens_external",
+    "ngram": "ngram",
+    "lookahead": "lookahead_decoding",
+    "medusa": "medusa",
+    "eagle": "eagle",
+}
+
+
+def build(cfg: BuildConfig, ckpt_dir: Path, out_dir: Path) -> dict[str, Any]:
+    started = time.perf_counter()
+    ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
+    pretrained = _read_checkpoint_config(ckpt_dir)
+    _check_matches_config(cfg, pretrained, ckpt_dir)
+    # Validates the checkpoint's fields with the same rules the runtime applies at load.
+    model = engine_config_from_dict(
+        {
+            "version": pipeline.__version__,
+            "pretrained_config": pretrained,
+            "build_config": _build_limits(cfg),
+        },
+        origin=str(ckpt_dir / "config.json"),
+    ).model
+    engine = EngineConfig(
+        version=pipeline.__version__,
+        backend="torch",
+        model=model,
+        build=BuildLimits(**{**_build_limits(cfg), "plugin_config": PluginConfig(**_plugin_config(cfg))}),
+        runtime=RuntimeDefaults(
+            kv_max_tokens=cfg.kv_cache.max_tokens,
+            kv_free_memory_fraction=cfg.kv_cache.free_memory_fraction,
+            enable_block_reuse=cfg.kv_cache.enable_block_reuse,
+            enable_chunked_context=cfg.scheduler.enable_chunked_context,
+            scheduler_policy=cfg.scheduler.policy,
+        ),
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    linked = _link_or_copy(ckpt_dir / WEIGHTS_FILE, out_dir / WEIGHTS_FILE)
+    if (ckpt_dir / TOKENIZER_DIR).is_dir():
+        shutil.copytree(ckpt_dir / TOKENIZER_DIR, out_dir / TOKENIZER_DIR, dirs_exist_ok=True)
+    write_engine_config(out_dir, engine)
+    return {
+        "architecture": model.architecture,
+        "dtype": model.dtype,
+        "quant_algo": model.quantization.quant_algo,
+        "max_batch_size": engine.build.max_batch_size,
+        "max_seq_len": engine.build.max_seq_len,
+        "max_num_tokens": engine.build.max_num_tokens,
+        "tokens_per_block": engine.build.plugin_config.tokens_per_block,
+        "weights_hardlinked": linked,
+        "seconds": round(time.perf_counter() - started, 2),
+    }
+
+
+def _read_checkpoint_config(ckpt_dir: Path) -> dict[str, Any]:
+    path = ckpt_dir / "config.json"
+    for needed in (path, ckpt_dir / WEIGHTS_FILE):
+        if not needed.is_file():
+            raise MissingArtifactError(
+                f"{needed} not found: not a torch-backend checkpoint", hint="run `llmpipe convert`"
+            )
+    try:
+        return dict(json.loads(path.read_text(encoding="utf-8")))
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path}: not valid JSON ({err})") from None
+
+
+def _check_matches_config(cfg: BuildConfig, pretrained: dict[str, Any], ckpt_dir: Path) -> None:
+    max_positions = int(pretrained.get("max_position_embeddings", 0))
+    if cfg.engine.max_seq_len > max_positions:
+        raise ConfigError(
+            f"engine.max_seq_len={cfg.engine.max_seq_len} exceeds the model's max_position_embeddings={max_positions}",
+            hint=f"set engine.max_seq_len <= {max_positions}",
+        )
+    stored = (pretrained.get("quantization") or {}).get("quant_algo")
+    if stored != cfg.quantization.quant_algo:
+        raise ConfigError(
+            f"{ckpt_dir} holds quant_algo={stored!r} but quantization.mode={cfg.quantization.mode} "
+            f"means {cfg.quantization.quant_algo!r}",
+            hint="rerun `llmpipe quantize` (or the whole pipeline) with this config",
+        )
+
+
+def _build_limits(cfg: BuildConfig) -> dict[str, Any]:
+    e, spec = cfg.engine, cfg.speculative
+    return {
+        "max_batch_size": e.max_batch_size,
+        "max_input_len": e.max_input_len,
+        "max_seq_len": e.max_seq_len,
+        "max_num_tokens": e.max_num_tokens,
+        "max_beam_width": e.max_beam_width,
+        "kv_cache_type": "PAGED",
+        "max_draft_len": spec.max_draft_len if spec.mode != "none" else 0,
+        "speculative_decoding_mode": SPECULATIVE_MODES[spec.mode],
+        "plugin_config": _plugin_config(cfg),
+    }
+
+
+def _plugin_config(cfg: BuildConfig) -> dict[str, Any]:
+    return {
+        "tokens_per_block": cfg.kv_cache.tokens_per_block,
+        "paged_kv_cache": True,
+        "use_paged_context_fmha": cfg.kv_cache.use_paged_context_fmha,
+        "remove_input_padding": True,
+        "context_fmha": True,
+    }
+
+
+def _link_or_copy(src: Path, dst: Path) -> bool:
+    """Hard-link the weights (no second copy on disk); copy across file systems."""
+    if dst.exists():
+        dst.unlink()
+    try:
+        os.link(src, dst)
+        return True
+    except OSError:
+        shutil.copy2(src, dst)
+        return False

@@ -1,0 +1,313 @@
+"""The engine directory's config.json: TensorRT-LLM's top-level layout (`version`, `pretrained_config`,
+`build_config`) plus llmpipe's `runtime_defaults`, read into typed dataclasses and validated at load so
+a bad engine fails before the first request."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.errors import ConfigError, MissingArtifactError, UnsupportedModelError
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "rank0.safetensors"
+TOKENIZER_DIR = "tokenizer"
+
+DTYPES = ("float32", "float16", "bfloat16")
+SCHEDULER_POLICIES = ("guaranteed_no_evict", "max_utilization")
+# The HF rope_type values the runtime implements (see model/layers.py: rotary_inv_freq).
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """`pretrained_config.quantization`: the weight/KV scheme a quantized checkpoint was written with."""
+
+    quant_algo: str | None = None  # e.g. W8A16, W4A16, W4A16_AWQ; None = dense weights
+    kv_cache_quant_algo: str | None = None  # INT8 / FP8; None = KV cache in the compute dtype
+    group_size: int = 128  # columns per scale for group-wise schemes
+    has_zero_point: bool = False
+    pre_quant_scale: bool = False  # AWQ: activations are scaled before the quantized matmul
+    exclude_modules: list[str] | None = None  # runtime names kept dense (e.g. lm_head)
+
+
+@dataclass(frozen=True)
+class Mapping:
+    world_size: int = 1
+    tp_size: int = 1
+    pp_size: int = 1
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """`pretrained_config`: the model's shape, as the converted checkpoint stores it."""
+
+    architecture: str
+    dtype: str  # storage dtype of rank0.safetensors
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position_embeddings: int
+    norm_epsilon: float
+    hidden_act: str
+    position_embedding_type: str = "rope_gpt_neox"
+    rotary_base: float = 10000.0
+    rotary_scaling: dict[str, Any] | None = None  # HF rope_scaling dict; None = plain RoPE
+    qkv_bias: bool = False
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None  # Mistral-style window in tokens; None = full causal attention
+    mapping: Mapping = field(default_factory=Mapping)
+    quantization: QuantConfig = field(default_factory=QuantConfig)
+
+
+@dataclass(frozen=True)
+class PluginConfig:
+    tokens_per_block: int = 32
+    paged_kv_cache: bool = True
+    use_paged_context_fmha: bool = True
+    remove_input_padding: bool = True
+    context_fmha: bool = True
+
+
+@dataclass(frozen=True)
+class BuildLimits:
+    """`build_config`: the limits the engine was built for (trtllm-build's flags)."""
+
+    max_batch_size: int
+    max_input_len: int
+    max_seq_len: int
+    max_num_tokens: int
+    max_beam_width: int = 1
+    kv_cache_type: str = "PAGED"
+    max_draft_len: int = 0
+    speculative_decoding_mode: str | None = None
+    plugin_config: PluginConfig = field(default_factory=PluginConfig)
+
+
+@dataclass(frozen=True)
+class RuntimeDefaults:
+    """`runtime_defaults`: serving-time settings that may be overridden when the engine is loaded."""
+
+    kv_max_tokens: int | None = None  # KV capacity in tokens; None = kv_free_memory_fraction of free memory
+    kv_free_memory_fraction: float = 0.2
+    enable_block_reuse: bool = False
+    enable_chunked_context: bool = False
+    scheduler_policy: str = "guaranteed_no_evict"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    version: str
+    backend: str
+    model: ModelConfig
+    build: BuildLimits
+    runtime: RuntimeDefaults
+    engine_dir: Path | None = None  # where it was loaded from; not written
+
+    @property
+    def weights_path(self) -> Path:
+        return self._dir() / WEIGHTS_FILE
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return self._dir() / TOKENIZER_DIR
+
+    def _dir(self) -> Path:
+        if self.engine_dir is None:
+            raise ValueError("this EngineConfig was not loaded from an engine directory")
+        return self.engine_dir
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "backend": self.backend,
+            "pretrained_config": dataclasses.asdict(self.model),
+            "build_config": dataclasses.asdict(self.build),
+            "runtime_defaults": dataclasses.asdict(self.runtime),
+        }
+
+
+def write_engine_config(engine_dir: Path, config: EngineConfig) -> Path:
+    validate_engine_config(config)
+    path = Path(engine_dir) / CONFIG_FILE
+    path.write_text(json.dumps(config.to_dict(), indent=2) + "\n", encoding="utf-8")
+    return path
+
+
+def load_engine_config(engine_dir: str | Path) -> EngineConfig:
+    """Read and validate `<engine_dir>/config.json`; errors name the field and its value."""
+    engine_dir = Path(engine_dir)
+    path = engine_dir / CONFIG_FILE
+    if not path.is_file():
+        raise MissingArtifactError(
+            f"{path} not found: {engine_dir} is not an engine directory",
+            hint="Run `llmpipe build` first, or point at the folder that holds config.json and rank0.safetensors.",
+        )
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path}: not valid JSON ({err})") from None
+    config = engine_config_from_dict(data, origin=str(path))
+    config = dataclasses.replace(config, engine_dir=engine_dir)
+    validate_engine_config(config, origin=str(path))
+    return config
+
+
+def engine_config_from_dict(data: dict[str, Any], origin: str = "config.json") -> EngineConfig:
+    for key in ("version", "pretrained_config", "build_config"):
+        if key not in data:
+            raise ConfigError(f"{origin}: missing top-level field {key!r}")
+    build = dict(data["build_config"])
+    model = model_config_from_dict(dict(data["pretrained_config"]), origin)
+    limits = _make(
+        BuildLimits,
+        {
+            **build,
+            "plugin_config": _make(
+                PluginConfig, build.get("plugin_config") or {}, f"{origin}: build_config.plugin_config"
+            ),
+        },
+        f"{origin}: build_config",
+    )
+    runtime = _make(RuntimeDefaults, data.get("runtime_defaults") or {}, f"{origin}: runtime_defaults")
+    return EngineConfig(str(data["version"]), str(data.get("backend", "torch")), model, limits, runtime)
+
+
+def model_config_from_dict(pretrained: dict[str, Any], origin: str = "config.json") -> ModelConfig:
+    """A checkpoint's config.json (or an engine's pretrained_config) as a ModelConfig."""
+    return _make(
+        ModelConfig,
+        {
+            **pretrained,
+            "mapping": _make(
+                Mapping, pretrained.get("mapping") or {}, f"{origin}: pretrained_config.mapping"
+            ),
+            "quantization": _make(
+                QuantConfig, pretrained.get("quantization") or {}, f"{origin}: pretrained_config.quantization"
+            ),
+        },
+        f"{origin}: pretrained_config",
+    )
+
+
+def _make(cls: type, values: dict[str, Any], where: str) -> Any:
+    known = {f.name for f in dataclasses.fields(cls)} - {"engine_dir"}
+    # Unknown keys are tolerated: TensorRT-LLM writes many plugin/build fields this runtime does not use.
+    picked = {k: v for k, v in values.items() if k in known}
+    try:
+        return cls(**picked)
+    except TypeError as err:
+        missing = sorted(f.name for f in dataclasses.fields(cls) if f.name not in picked and _required(f))
+        raise ConfigError(f"{where}: missing field(s) {', '.join(missing) or '?'} ({err})") from None
+
+
+def _required(f: dataclasses.Field[Any]) -> bool:
+    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+
+
+def validate_engine_config(config: EngineConfig, origin: str = "config.json") -> None:
+    m, b, r = config.model, config.build, config.runtime
+    checks: list[tuple[bool, str, object, str]] = [
+        (
+            config.backend == "torch",
+            "backend",
+            config.backend,
+            "'torch' (this runtime loads torch engines only)",
+        ),
+        (m.dtype in DTYPES, "pretrained_config.dtype", m.dtype, f"one of {', '.join(DTYPES)}"),
+        (m.hidden_act == "silu", "pretrained_config.hidden_act", m.hidden_act, "'silu' (SwiGLU MLP)"),
+        (
+            m.position_embedding_type == "rope_gpt_neox",
+            "pretrained_config.position_embedding_type",
+            m.position_embedding_type,
+            "'rope_gpt_neox'",
+        ),
+        (
+            m.mapping.world_size == 1,
+            "pretrained_config.mapping.world_size",
+            m.mapping.world_size,
+            "1 (one device)",
+        ),
+        (b.max_beam_width == 1, "build_config.max_beam_width", b.max_beam_width, "1 (no beam search)"),
+        (b.kv_cache_type == "PAGED", "build_config.kv_cache_type", b.kv_cache_type, "'PAGED'"),
+        (
+            r.scheduler_policy in SCHEDULER_POLICIES,
+            "runtime_defaults.scheduler_policy",
+            r.scheduler_policy,
+            f"one of {', '.join(SCHEDULER_POLICIES)}",
+        ),
+        (
+            0 < r.kv_free_memory_fraction <= 1,
+            "runtime_defaults.kv_free_memory_fraction",
+            r.kv_free_memory_fraction,
+            "in (0, 1]",
+        ),
+        (
+            b.max_seq_len <= m.max_position_embeddings,
+            "build_config.max_seq_len",
+            b.max_seq_len,
+            f"<= pretrained_config.max_position_embeddings ({m.max_position_embeddings})",
+        ),
+        (
+            b.max_input_len <= b.max_seq_len,
+            "build_config.max_input_len",
+            b.max_input_len,
+            f"<= build_config.max_seq_len ({b.max_seq_len})",
+        ),
+    ]
+    positive = {
+        "pretrained_config.vocab_size": m.vocab_size,
+        "pretrained_config.hidden_size": m.hidden_size,
+        "pretrained_config.num_hidden_layers": m.num_hidden_layers,
+        "pretrained_config.num_attention_heads": m.num_attention_heads,
+        "pretrained_config.num_key_value_heads": m.num_key_value_heads,
+        "pretrained_config.head_dim": m.head_dim,
+        "pretrained_config.intermediate_size": m.intermediate_size,
+        "build_config.max_batch_size": b.max_batch_size,
+        "build_config.max_num_tokens": b.max_num_tokens,
+        "build_config.plugin_config.tokens_per_block": b.plugin_config.tokens_per_block,
+    }
+    checks += [(isinstance(v, int) and v > 0, name, v, "a positive integer") for name, v in positive.items()]
+    checks += [
+        (
+            m.num_attention_heads % m.num_key_value_heads == 0,
+            "pretrained_config.num_attention_heads",
+            m.num_attention_heads,
+            f"a multiple of num_key_value_heads ({m.num_key_value_heads})",
+        ),
+        (m.head_dim % 2 == 0, "pretrained_config.head_dim", m.head_dim, "even (RoPE rotates pairs)"),
+        (
+            math.isfinite(m.norm_epsilon) and m.norm_epsilon > 0,
+            "pretrained_config.norm_epsilon",
+            m.norm_epsilon,
+            "> 0",
+        ),
+        (
+            r.kv_max_tokens is None or r.kv_max_tokens > 0,
+            "runtime_defaults.kv_max_tokens",
+            r.kv_max_tokens,
+            "> 0 or null",
+        ),
+    ]
+    for ok, name, value, limit in checks:
+        if not ok:
+            raise ConfigError(f"{origin}: {name}={value!r} is invalid: must be {limit}")
+    if rope_type(m.rotary_scaling) not in ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"{origin}: RoPE scaling {rope_type(m.rotary_scaling)!r} is not implemented by the torch runtime; "
+            f"supported: {', '.join(ROPE_TYPES)}"
+        )
+
+
+def rope_type(scaling: dict[str, Any] | None) -> str:
+    """The HF rope type of a rope_scaling dict (older configs name it `type`)."""
+    scaling = scaling or {}
+    return str(scaling.get("rope_type", scaling.get("type", "default")))

@@ -1,0 +1,191 @@
+"""Building blocks of the Llama-family forward: dense linear, RoPE tables, and paged attention (the C
+kernel on CPU, a torch implementation elsewhere)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from pipeline.errors import UnsupportedModelError
+from pipeline.runtime.attn_metadata import AttentionMetadata
+from pipeline.runtime.engine_config import ROPE_TYPES, ModelConfig, rope_type
+from pipeline.runtime.kv_cache import KVCache
+from pipeline.runtime.model.cpu_kernels import AddRMSNormKernel, PagedAttentionKernel
+from pipeline.runtime.quant.linear import fp32_linear
+
+
+class Linear(Protocol):
+    """What the model needs from a (dense or quantized) linear layer: y = x @ W.T (+ b)."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class DenseLinear:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight = weight  # [out, in]
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # Few-row fp32 CPU inputs (decode) take the hand-written GEMV, ~20% faster than MKL's here and
+        # ~40% on the lm_head; everything else is F.linear.
+        return fp32_linear(x, self.weight, self.bias)
+
+
+class ResidualRMSNorm:
+    """hidden += delta (when given), then RMSNorm(hidden) * weight: the C kernel on CPU/fp32, else torch."""
+
+    def __init__(self, kernel: AddRMSNormKernel | None, hidden_size: int, eps: float) -> None:
+        self.kernel = kernel
+        self.shape = (hidden_size,)
+        self.eps = eps
+
+    def __call__(
+        self, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor
+    ) -> torch.Tensor:
+        if self.kernel is not None and (delta is None or delta.is_contiguous()):
+            return self.kernel(hidden, delta, weight, self.eps)
+        if delta is not None:
+            hidden.add_(delta)
+        return F.rms_norm(hidden, self.shape, weight, self.eps)
+
+
+def rotary_inv_freq(head_dim: int, base: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2], computed as transformers does so cos/sin match it bit for bit."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float) / head_dim))
+    kind = rope_type(scaling)
+    if kind == "default":
+        return inv_freq
+    assert scaling is not None
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    raise UnsupportedModelError(
+        f"RoPE scaling {kind!r} is not implemented; supported: {', '.join(ROPE_TYPES)}"
+    )
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between blended."""
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < old_context / high) * ~(wavelen > old_context / low)
+    return torch.where(is_medium, blended, scaled)
+
+
+def rotary_cos_sin(config: ModelConfig, max_positions: int) -> torch.Tensor:
+    """[max_positions, head_dim]: cos(pos * inv_freq) in the first half, sin in the second (fp32)."""
+    inv_freq = rotary_inv_freq(config.head_dim, config.rotary_base, config.rotary_scaling)
+    freqs = torch.arange(max_positions, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).contiguous()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """GPT-NeoX RoPE: x [T, heads, D]; cos/sin [T, 1, D/2]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(Protocol):
+    """RoPE, KV-cache write and paged attention of one layer: qkv [T, (H + 2 KV) D] -> [T, H D]."""
+
+    def begin_step(self, meta: AttentionMetadata) -> None: ...
+
+    def __call__(self, layer: int, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor: ...
+
+
+class KernelAttention:
+    """The C kernel (CPU, fp32): rotates q/k in place inside qkv, writes K/V, attends through block tables."""
+
+    def __init__(
+        self, kernel: PagedAttentionKernel, kv_cache: KVCache, config: ModelConfig, cos_sin: torch.Tensor
+    ):
+        self.kernel = kernel
+        self.kv_cache = kv_cache
+        self.config = config
+        self.cos_sin = cos_sin  # [max_positions, D]
+        self._step_args: tuple[Any, ...] = ()
+
+    @staticmethod
+    def supports(config: ModelConfig) -> bool:
+        return config.head_dim % 8 == 0 and config.head_dim <= 256
+
+    def begin_step(self, meta: AttentionMetadata) -> None:
+        c = self.config
+        self._step_args = (
+            self.cos_sin.data_ptr(),
+            meta.positions.data_ptr(),
+            meta.slot_mapping.data_ptr(),
+            meta.block_tables.data_ptr(),
+            meta.block_tables.shape[1],
+            meta.token_seq.data_ptr(),
+            meta.num_tokens,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+            self.kv_cache.block_size,
+            c.sliding_window or 0,
+            meta.max_context_len,
+            c.head_dim**-0.5,
+        )
+
+    def __call__(self, layer: int, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        out = torch.empty(meta.num_tokens, self.config.num_attention_heads * self.config.head_dim)
+        self.kernel(
+            qkv.data_ptr(),
+            qkv.stride(0),
+            self.kv_cache.k[layer].data_ptr(),
+            self.kv_cache.v[layer].data_ptr(),
+            out.data_ptr(),
+            self._step_args,
+        )
+        return out
+
+
+class TorchAttention:
+    """Any device and dtype: gathers each sequence's K/V blocks into a padded batch for one SDPA call."""
+
+    def __init__(self, kv_cache: KVCache, config: ModelConfig, cos_sin: torch.Tensor) -> None:
+        self.kv_cache = kv_cache
+        self.config = config
+        self.cos_sin = cos_sin  # [max_positions, D], on the compute device
+
+    def begin_step(self, meta: AttentionMetadata) -> None:
+        pass
+
+    def __call__(self, layer: int, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        c, tokens = self.config, meta.num_tokens
+        heads, kv_heads, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        assert meta.padded is not None, "TorchAttention needs AttentionMetadata built with padded=True"
+        padded = meta.padded
+        cos_sin = self.cos_sin[meta.positions].to(qkv.dtype)[:, None, :]  # [T, 1, D]
+        cos, sin = cos_sin[..., : d // 2], cos_sin[..., d // 2 :]
+        q = apply_rope(qkv[:, : heads * d].view(tokens, heads, d), cos, sin)
+        k = apply_rope(qkv[:, heads * d : (heads + kv_heads) * d].view(tokens, kv_heads, d), cos, sin)
+        v = qkv[:, (heads + kv_heads) * d :].view(tokens, kv_heads, d)
+        k_cache, v_cache = self.kv_cache.k[layer], self.kv_cache.v[layer]  # [num_slots, KV, D]
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
+        num_seqs, bs = padded.block_tables.shape[0], self.kv_cache.block_size
+        context = padded.block_tables.shape[1] * bs
+        # [S, KV, L, D] through each sequence's block table
+        keys = k_cache.view(-1, bs, kv_heads, d)[padded.block_tables].view(num_seqs, context, kv_heads, d)
+        values = v_cache.view(-1, bs, kv_heads, d)[padded.block_tables].view(num_seqs, context, kv_heads, d)
+        queries = q.new_zeros(num_seqs, padded.max_query_len, heads, d)
+        queries[padded.token_seq, padded.token_row] = q
+        out = F.scaled_dot_product_attention(
+            queries.transpose(1, 2),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=padded.mask,
+            enable_gqa=kv_heads != heads,
+        )  # [S, H, max_q, D]
+        return out.transpose(1, 2)[padded.token_seq, padded.token_row].reshape(tokens, heads * d)

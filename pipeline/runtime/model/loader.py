@@ -1,0 +1,168 @@
+"""rank0.safetensors (runtime layout) -> the model's weights on the compute device. Linear layers go
+through one hook, `make_linear`, which routes quantized ones to pipeline.runtime.quant."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Literal
+
+import torch
+from safetensors import safe_open
+
+from pipeline.errors import IntegrityError, MissingArtifactError, UnsupportedModelError
+from pipeline.runtime.engine_config import EngineConfig, ModelConfig, QuantConfig
+from pipeline.runtime.model.layers import DenseLinear, Linear
+from pipeline.runtime.model.llama import LayerWeights, LlamaWeights
+
+# pretrained_config.quantization.quant_algo -> QuantLinear scheme. AWQ is int4 group-wise once its
+# activation scales are folded into the preceding weights (quantization.pre_quant_scale false).
+QUANT_SCHEMES: dict[str, Literal["int8", "int4"]] = {"W8A16": "int8", "W4A16": "int4", "W4A16_AWQ": "int4"}
+
+
+class CheckpointTensors(Mapping[str, torch.Tensor]):
+    """Read-only, lazy view of a safetensors file: a tensor is read when asked for (on CPU, stored dtype)."""
+
+    def __init__(self, handle: object) -> None:
+        self._handle = handle
+        self._keys = list(handle.keys())  # type: ignore[attr-defined]
+        self._key_set = set(self._keys)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._key_set:
+            raise IntegrityError(
+                f"engine weights lack tensor {name!r}", hint="rebuild the engine (`llmpipe build`)"
+            )
+        return self._handle.get_tensor(name)  # type: ignore[attr-defined]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._key_set
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+def make_linear(
+    prefix: str,
+    tensors: Mapping[str, torch.Tensor],
+    quant: QuantConfig,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> Linear:
+    """The linear layer stored under `prefix` (e.g. transformer.layers.0.attention.qkv): dense from
+    `{prefix}.weight` (+ `.bias`), or quantized from `{prefix}.qweight/.scales/.zeros` (+ `.bias`) by
+    pipeline.runtime.quant.linear.QuantLinear with the scheme that `quant.quant_algo` names."""
+    bias_name = f"{prefix}.bias"
+    if f"{prefix}.qweight" not in tensors:
+        weight = tensors[f"{prefix}.weight"].to(device=device, dtype=dtype).contiguous()
+        bias = tensors[bias_name].to(device=device, dtype=dtype) if bias_name in tensors else None
+        return DenseLinear(weight, bias)
+    if quant.quant_algo is None:
+        raise IntegrityError(
+            f"{prefix}.qweight is present but pretrained_config.quantization.quant_algo is null"
+        )
+    if _excluded(prefix, quant.exclude_modules):
+        raise IntegrityError(f"{prefix} is quantized although quantization.exclude_modules excludes it")
+    scheme = QUANT_SCHEMES.get(quant.quant_algo)
+    if scheme is None:
+        raise UnsupportedModelError(
+            f"quant_algo {quant.quant_algo} is not implemented by the torch runtime; "
+            f"supported: {', '.join(QUANT_SCHEMES)}"
+        )
+    if quant.pre_quant_scale:
+        raise UnsupportedModelError(
+            f"{prefix}: quantization.pre_quant_scale=true (AWQ activation scales applied at run time) is not "
+            "implemented by the torch runtime; the quantizer must fold the scales into the weights"
+        )
+    from pipeline.runtime.quant.linear import QuantLinear
+
+    parts = {
+        key: tensors[f"{prefix}.{key}"]
+        for key in ("qweight", "scales", "zeros", "bias")
+        if f"{prefix}.{key}" in tensors
+    }
+    group_size = quant.group_size if scheme == "int4" else None
+    return QuantLinear.from_packed(parts, scheme, group_size).to(device)
+
+
+def _excluded(prefix: str, patterns: list[str] | None) -> bool:
+    name = prefix.removeprefix("transformer.")
+    return any(fnmatch.fnmatch(name, p) or fnmatch.fnmatch(prefix, p) for p in patterns or [])
+
+
+def expected_dense_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Runtime tensor name -> shape in the dense layout (what convert writes)."""
+    hidden, d = model.hidden_size, model.head_dim
+    qkv_rows = (model.num_attention_heads + 2 * model.num_key_value_heads) * d
+    shapes: dict[str, tuple[int, ...]] = {
+        "transformer.vocab_embedding.weight": (model.vocab_size, hidden),
+        "transformer.ln_f.weight": (hidden,),
+        "lm_head.weight": (model.vocab_size, hidden),
+    }
+    for i in range(model.num_hidden_layers):
+        p = f"transformer.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (hidden,)
+        shapes[p + "attention.qkv.weight"] = (qkv_rows, hidden)
+        if model.qkv_bias:
+            shapes[p + "attention.qkv.bias"] = (qkv_rows,)
+        shapes[p + "attention.dense.weight"] = (hidden, model.num_attention_heads * d)
+        shapes[p + "post_layernorm.weight"] = (hidden,)
+        shapes[p + "mlp.gate_up.weight"] = (2 * model.intermediate_size, hidden)
+        shapes[p + "mlp.proj.weight"] = (hidden, model.intermediate_size)
+    return shapes
+
+
+def check_dense_shapes(tensors: Mapping[str, torch.Tensor], model: ModelConfig, origin: str) -> None:
+    handle_shapes = getattr(tensors, "_handle", None)
+    for name, shape in expected_dense_shapes(model).items():
+        if name not in tensors:
+            continue  # quantized (.qweight) or checked when loaded
+        actual = (
+            tuple(handle_shapes.get_slice(name).get_shape()) if handle_shapes else tuple(tensors[name].shape)
+        )
+        if actual != shape:
+            raise IntegrityError(f"{origin}: {name} has shape {actual}, config.json implies {shape}")
+
+
+def load_llama_weights(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> LlamaWeights:
+    path: Path = config.weights_path
+    if not path.is_file():
+        raise MissingArtifactError(f"{path} not found", hint="rebuild the engine (`llmpipe build`)")
+    model, quant = config.model, config.model.quantization
+    with safe_open(str(path), framework="pt", device="cpu") as handle:
+        tensors = CheckpointTensors(handle)
+        check_dense_shapes(tensors, model, str(path))
+
+        def vector(name: str) -> torch.Tensor:
+            return tensors[name].to(device=device, dtype=dtype).contiguous()
+
+        def linear(prefix: str) -> Linear:
+            return make_linear(prefix, tensors, quant, device=device, dtype=dtype)
+
+        layers = []
+        for i in range(model.num_hidden_layers):
+            p = f"transformer.layers.{i}."
+            layers.append(
+                LayerWeights(
+                    input_norm=vector(p + "input_layernorm.weight"),
+                    qkv=linear(p + "attention.qkv"),
+                    dense=linear(p + "attention.dense"),
+                    post_norm=vector(p + "post_layernorm.weight"),
+                    gate_up=linear(p + "mlp.gate_up"),
+                    proj=linear(p + "mlp.proj"),
+                )
+            )
+        lm_head = linear("lm_head")
+        # Tied and dense: the embedding is the same matrix, so keep one copy in memory.
+        if model.tie_word_embeddings and isinstance(lm_head, DenseLinear):
+            embedding = lm_head.weight
+        else:
+            embedding = vector("transformer.vocab_embedding.weight")
+        return LlamaWeights(
+            embedding=embedding, layers=layers, final_norm=vector("transformer.ln_f.weight"), lm_head=lm_head
+        )

