@@ -50,8 +50,13 @@ typecheck: install
 validate: install  ## accuracy gates of the default build against the HF reference
 	$(LLMPIPE) validate $(CONFIG)
 
-bench: install  ## engine benchmark on SmolLM2 (see benchmarks/)
-	$(PY) scripts/bench_engine.py --out benchmarks/results
+BENCH_ARGS ?=
+bench-deps: install  ## peer engines for `make bench`: llama-cpp-python (compiles from source, minutes), ctranslate2, matplotlib
+	$(PIP) install "$(TORCH)" -e '.[bench]'
+
+bench: install  ## engine (issue 3) + peer comparison (issue 7) -> benchmarks/results/<date>-<machine>*.md (peers: make bench-deps)
+	$(PY) scripts/bench_engine.py --out benchmarks/results $(BENCH_ARGS)
+	$(PY) scripts/bench_peers.py --out benchmarks/results $(BENCH_ARGS)
 
 tiny-model: install  ## the tiny random Llama used by build_configs/tiny-llama.yaml
 	$(PY) scripts/make_tiny_model.py build/tiny-llama-hf

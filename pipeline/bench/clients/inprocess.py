@@ -1,0 +1,65 @@
+"""The in-process target: requests go straight to an EngineThread, no server, so comparing it with the
+Triton target isolates serving overhead."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from pipeline.bench.workloads import BenchRequest
+from pipeline.errors import ServingError
+
+
+class InProcessTarget:
+    def __init__(
+        self,
+        engine_thread: Any,  # pipeline.runtime.async_engine.EngineThread
+        name: str = "llmpipe-inprocess",
+        min_tokens_equal_max: bool = True,
+        end_id: int | None = None,
+    ) -> None:
+        self.engine_thread = engine_thread
+        self.name = name
+        self.min_tokens_equal_max = min_tokens_equal_max
+        self.end_id = end_id
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_engine_dir(
+        cls,
+        engine_dir: str | Path,
+        max_pending: int = 256,
+        engine_overrides: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> InProcessTarget:
+        """Load the engine (`engine_overrides` go to LLMEngine.from_engine_dir, e.g. num_threads) and start
+        its thread; `close()` stops it."""
+        from pipeline.runtime.async_engine import EngineThread
+        from pipeline.runtime.engine import LLMEngine
+
+        engine = LLMEngine.from_engine_dir(engine_dir, **(engine_overrides or {}))
+        return cls(EngineThread(engine, max_pending=max_pending), **kwargs)
+
+    def stream(self, request: BenchRequest) -> Iterator[int]:
+        from pipeline.runtime.sampling_params import SamplingParams
+
+        if request.input_ids is None:
+            raise ValueError(f"request {request.index} has no input_ids (tokenize the workload first)")
+        params = SamplingParams(
+            max_tokens=request.output_tokens,
+            min_tokens=request.output_tokens if self.min_tokens_equal_max else 0,
+            temperature=0.0,
+            end_id=self.end_id,
+        )
+        stream = self.engine_thread.submit(f"bench-{next(self._ids)}", list(request.input_ids), params)
+        for output in stream:
+            if output.finish_reason in ("error", "abort"):
+                raise ServingError(
+                    f"request ended with {output.finish_reason}: {output.error or 'no detail'}"
+                )
+            yield len(output.new_token_ids)
+
+    def close(self) -> None:
+        self.engine_thread.shutdown()

@@ -1,0 +1,286 @@
+"""One benchmark session: run a target over a concurrency sweep or request rates, run the peers on the
+same requests, then write the table, results.json/CSV and plots. The `bench` command and the scripts
+in scripts/ are thin wrappers around this."""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.bench import report
+from pipeline.bench.load import RunResult, Target, run_closed_loop, run_open_loop
+from pipeline.bench.peers import Peer
+from pipeline.bench.targets import ISSUE7_TARGETS, Verdict, check, measurements
+from pipeline.bench.workloads import BenchRequest
+from pipeline.errors import ConfigError
+
+# --compare names -> (peer family, precisions)
+PEER_FAMILIES: dict[str, tuple[str, ...]] = {
+    "hf": ("fp32",),
+    "llamacpp": ("f32", "q8_0", "q4_1"),
+    "ct2": ("float32", "int8"),
+}
+
+
+@dataclass
+class Plan:
+    concurrencies: list[int] = field(default_factory=lambda: [1, 4, 16])
+    rates: list[float] = field(default_factory=list)  # open loop when non-empty
+    max_concurrency: int | None = None  # open-loop cap
+    max_duration_s: float | None = None
+    seed: int = 0
+    progress: bool = True
+
+
+def parse_int_list(text: str, what: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ConfigError(f"{what} must be comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise ConfigError(f"{what} must be integers >= 1, got {text!r}")
+    return values
+
+
+def parse_float_list(text: str, what: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ConfigError(f"{what} must be comma-separated numbers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise ConfigError(f"{what} must be numbers > 0, got {text!r}")
+    return values
+
+
+def parse_compare(text: str) -> list[tuple[str, str]]:
+    """'hf,llamacpp-q8_0,ct2' -> [(hf, fp32), (llamacpp, q8_0), (ct2, float32), (ct2, int8)]."""
+    picked: list[tuple[str, str]] = []
+    for item in (v.strip().lower() for v in text.split(",") if v.strip()):
+        family, _, precision = item.partition("-")
+        if family not in PEER_FAMILIES or (precision and precision not in PEER_FAMILIES[family]):
+            choices = ", ".join(f"{f} ({'|'.join(p)})" for f, p in PEER_FAMILIES.items())
+            raise ConfigError(
+                f"--compare: unknown peer {item!r}", hint=f"choose from {choices}; e.g. llamacpp-q8_0"
+            )
+        for p in (precision,) if precision else PEER_FAMILIES[family]:
+            if (family, p) not in picked:
+                picked.append((family, p))
+    return picked
+
+
+def _bar(plan: Plan, total: int, label: str) -> report.ProgressBar:
+    return report.ProgressBar(total, label, enabled=plan.progress)
+
+
+def run_target(
+    target: Target,
+    requests: Sequence[BenchRequest],
+    warmup: Sequence[BenchRequest],
+    plan: Plan,
+    extra: dict[str, object],
+) -> list[RunResult]:
+    """The sweep (closed loop) or the rates (open loop) for one target."""
+    results = []
+    if plan.rates:
+        for rate in plan.rates:
+            extra = {**extra, "load_1m": report.load_1m()}
+            with _bar(plan, len(requests), f"{target.name} rate {rate:g}/s") as bar:
+                result = run_open_loop(
+                    target,
+                    requests,
+                    rate,
+                    seed=plan.seed,
+                    warmup=warmup,
+                    max_concurrency=plan.max_concurrency,
+                    max_duration_s=plan.max_duration_s,
+                    on_record=bar,
+                )
+            results.append(_tagged(result, extra))
+        return results
+    for concurrency in plan.concurrencies:
+        extra = {**extra, "load_1m": report.load_1m()}
+        with _bar(plan, len(requests), f"{target.name} c={concurrency}") as bar:
+            result = run_closed_loop(
+                target,
+                requests,
+                concurrency,
+                warmup=warmup,
+                max_duration_s=plan.max_duration_s,
+                on_record=bar,
+            )
+        results.append(_tagged(result, extra))
+    return results
+
+
+def _tagged(result: RunResult, extra: dict[str, object]) -> RunResult:
+    result.extra.update(extra)
+    return result
+
+
+def run_peer(
+    peer: Peer,
+    requests: Sequence[BenchRequest],
+    warmup: Sequence[BenchRequest],
+    batch_sizes: Sequence[int],
+    plan: Plan,
+) -> list[RunResult]:
+    if warmup:
+        peer.run(warmup, 1)
+    results = []
+    for size in batch_sizes:
+        load = report.load_1m()
+        with _bar(plan, len(requests), f"{peer.name} batch {size}") as bar:
+            results.append(_tagged(peer.run(requests, size, on_record=bar), {"load_1m": load}))
+    return results
+
+
+def make_peer(
+    family: str,
+    precision: str,
+    hf_dir: Path,
+    tokenizer: Any,
+    cache_dir: Path,
+    max_batch_size: int,
+    gguf: Path | None,
+    num_threads: int | None = None,
+) -> Peer:
+    """Load one peer, converting the model for it on first use (cached under `cache_dir`, keyed by the
+    source file's identity so a rebuilt checkpoint is converted again). `num_threads` None = each peer's
+    default (all cores); HF follows torch's process-wide setting."""
+    if family == "hf":
+        from pipeline.bench.peers.hf import HFPeer
+
+        return HFPeer(hf_dir)
+    if family == "llamacpp":
+        from pipeline.bench.peers.llamacpp import LlamaCppPeer, make_gguf_variant
+
+        if gguf is None:
+            raise ConfigError("the llama.cpp peers need a GGUF file", hint="pass --gguf FILE")
+        stem = gguf.stem.rsplit(".", 1)[0]
+        same = gguf.stem.upper().endswith(precision.upper())
+        path = (
+            gguf
+            if same
+            else make_gguf_variant(gguf, cache_dir / f"{stem}-{_identity(gguf)}.{precision}.gguf", precision)
+        )
+        return LlamaCppPeer(path, precision, max_batch_size=max_batch_size, num_threads=num_threads)
+    from pipeline.bench.peers.ctranslate2 import CTranslate2Peer, convert
+
+    weights = sorted(hf_dir.glob("*.safetensors"))
+    model_dir = convert(hf_dir, cache_dir / f"ct2-{_identity(*weights)}-{precision}", precision)
+    return CTranslate2Peer(model_dir, precision, tokenizer, num_threads=num_threads)
+
+
+def _identity(*paths: Path) -> str:
+    """A short key for files: their resolved paths, sizes and modification times."""
+    facts = [f"{p.resolve()}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in paths]
+    return hashlib.sha256("|".join(facts).encode()).hexdigest()[:10]
+
+
+def run_peers(
+    peers: Sequence[tuple[str, str]],
+    requests: Sequence[BenchRequest],
+    warmup: Sequence[BenchRequest],
+    batch_sizes: Sequence[int],
+    plan: Plan,
+    loader: Callable[[str, str], Peer],
+) -> list[RunResult]:
+    """Each peer in turn, loaded, measured and released, so two never compete for the cores."""
+    results = []
+    for family, precision in peers:
+        print(f"peer {family}-{precision}: loading", file=sys.stderr)
+        peer = loader(family, precision)
+        try:
+            results += run_peer(peer, requests, warmup, batch_sizes, plan)
+        finally:
+            peer.close()
+    return results
+
+
+def finish(
+    results: Sequence[RunResult],
+    out_dir: Path,
+    meta: dict[str, Any],
+    plots: bool = True,
+    extra_measurements: dict[str, float] | None = None,
+    include_unmeasured: bool = False,
+) -> tuple[str, list[Verdict], list[Path]]:
+    """Print-ready table, the issue-7 target verdicts (only those this run could check unless
+    `include_unmeasured`), and the files written."""
+    rows = [report.summary_row(r) for r in results]
+    found = {**measurements(results), **(extra_measurements or {})}
+    verdicts = [v for v in check(ISSUE7_TARGETS, found) if include_unmeasured or v.status != "not measured"]
+    files = report.write_results(out_dir, results, verdicts, meta, found)
+    if plots:
+        files += report.plot(out_dir, results)
+    text = report.format_table(rows)
+    if verdicts:
+        text += "\n\n" + report.verdict_table(verdicts)
+    return text, verdicts, files
+
+
+@dataclass(frozen=True)
+class OursSpec:
+    """Which llmpipe deployment to measure: an endpoint URL, or a build config served or loaded here."""
+
+    endpoint: str | None  # a running Triton (host:port, grpc://, http://)
+    cfg: Any  # pipeline.config.BuildConfig when a config was given
+    in_process: bool
+    protocol: str  # grpc | http, for a server started here
+    model_name: str  # ensemble | tensorrt_llm
+    min_tokens_equal_max: bool
+    precision: str | None
+    end_id: int | None
+
+
+def run_llmpipe(
+    spec: OursSpec, requests: Sequence[BenchRequest], warmup: Sequence[BenchRequest], plan: Plan
+) -> list[RunResult]:
+    """Measure llmpipe: in-process, at an endpoint, or through a tritonserver started on the config's model
+    repository for the duration of the runs."""
+    from pipeline.bench.builds import stage_output
+    from pipeline.bench.clients.triton import triton_target
+
+    extra: dict[str, object] = {"engine": "llmpipe", "path": "inprocess" if spec.in_process else "triton"}
+    if spec.precision:
+        extra["precision"] = spec.precision
+    label = f"llmpipe-{spec.precision or 'engine'}"
+    if spec.in_process:
+        from pipeline.bench.clients.inprocess import InProcessTarget
+
+        engine = InProcessTarget.from_engine_dir(
+            stage_output(spec.cfg, "engine"),
+            name=label,
+            end_id=spec.end_id,
+            min_tokens_equal_max=spec.min_tokens_equal_max,
+        )
+        try:
+            return run_target(engine, requests, warmup, plan, extra)
+        finally:
+            engine.close()
+    if spec.endpoint is not None:
+        client = triton_target(
+            spec.endpoint, spec.model_name, spec.min_tokens_equal_max, name=f"{label}-triton"
+        )
+        try:
+            return run_target(client, requests, warmup, plan, extra)
+        finally:
+            client.close()
+    from pipeline.serving.launcher import TritonServer
+    from pipeline.serving.server_cmd import ServerOptions
+
+    repo = stage_output(spec.cfg, "package")
+    print(f"starting tritonserver on {repo} ...", file=sys.stderr)
+    with TritonServer(
+        ServerOptions(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0)
+    ) as server:
+        url = f"http://{server.http_url}" if spec.protocol == "http" else f"grpc://{server.grpc_url}"
+        client = triton_target(url, spec.model_name, spec.min_tokens_equal_max, name=f"{label}-triton")
+        try:
+            return run_target(client, requests, warmup, plan, extra)
+        finally:
+            client.close()

@@ -1,0 +1,258 @@
+"""The `tensorrt_llm_bls` model: the ensemble's inputs and outputs, in one Python model that tokenizes,
+calls `tensorrt_llm` through BLS, and detokenizes incrementally, so streamed text is exact for every
+tokenizer (multi-byte characters, SentencePiece spaces: P8) and concatenated deltas equal the whole text.
+
+Each request is served by its own thread (`execute` returns at once), so requests stream concurrently
+even with one BLS instance. A client that cancels gets its engine request stopped with `stop=true`.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from pipeline.serving import triton_utils as tu
+from pipeline.serving.detokenizer import IncrementalDetokenizer
+from pipeline.serving.io import CLIENT_INPUTS, ENGINE_OUTPUTS, InvalidInputError
+from pipeline.serving.preprocessing import preprocess
+from pipeline.serving.tokenization import PromptEncoder
+
+CANCEL_CHECK_PERIOD_S = 0.05
+# client input -> preprocessing input (tokenized here)
+_TO_PREPROCESS = {
+    "text_input": "QUERY",
+    "max_tokens": "REQUEST_OUTPUT_LEN",
+    "bad_words": "BAD_WORDS_DICT",
+    "stop_words": "STOP_WORDS_DICT",
+    "end_id": "END_ID",
+    "pad_id": "PAD_ID",
+}
+# preprocessing output -> tensorrt_llm input
+_FROM_PREPROCESS = {
+    "INPUT_ID": "input_ids",
+    "REQUEST_INPUT_LEN": "input_lengths",
+    "REQUEST_OUTPUT_LEN": "request_output_len",
+    "OUT_END_ID": "end_id",
+    "OUT_PAD_ID": "pad_id",
+    "STOP_WORDS_IDS": "stop_words_list",
+    "BAD_WORDS_IDS": "bad_words_list",
+}
+# client input -> tensorrt_llm input, passed as sent
+_PASS_THROUGH = {
+    "top_k": "runtime_top_k",
+    "top_p": "runtime_top_p",
+    "temperature": "temperature",
+    "repetition_penalty": "repetition_penalty",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "min_tokens": "min_tokens",
+    "seed": "seed",
+    "return_log_probs": "return_log_probs",
+    "stream": "streaming",
+    "exclude_input_in_output": "exclude_input_in_output",
+}
+
+
+@dataclass(frozen=True)
+class BlsPlan:
+    engine_inputs: dict[str, np.ndarray]  # tensorrt_llm tensors, batch dimension 1
+    prompt_ids: list[int]
+    streaming: bool
+    exclude_input_in_output: bool
+
+
+def _flag(inputs: dict[str, np.ndarray], name: str, default: bool) -> bool:
+    value = inputs.get(name)
+    return default if value is None else bool(np.asarray(value).reshape(-1)[0])
+
+
+def plan_request(
+    encoder: PromptEncoder,
+    inputs: dict[str, np.ndarray],
+    max_seq_len: int | None,
+    default_exclude_input: bool,
+) -> BlsPlan:
+    """Client tensors -> the tensorrt_llm request. Raises InvalidInputError."""
+    text = inputs.get("text_input")
+    if text is not None and text.shape[0] != 1:
+        raise InvalidInputError("text_input", f"batch of {text.shape[0]}", "one prompt per request")
+    pre = preprocess(
+        encoder, {_TO_PREPROCESS[k]: v for k, v in inputs.items() if k in _TO_PREPROCESS}, max_seq_len
+    )
+    engine_inputs = {_FROM_PREPROCESS[k]: v for k, v in pre.items()}
+    engine_inputs.update({_PASS_THROUGH[k]: v for k, v in inputs.items() if k in _PASS_THROUGH})
+    prompt = pre["INPUT_ID"][0, : int(pre["REQUEST_INPUT_LEN"][0, 0])].tolist()
+    exclude = _flag(inputs, "exclude_input_in_output", default_exclude_input)
+    engine_inputs["exclude_input_in_output"] = np.array([[exclude]], dtype=np.bool_)
+    return BlsPlan(engine_inputs, prompt, _flag(inputs, "stream", False), exclude)
+
+
+class TextAssembler:
+    """Engine responses (numpy dicts) -> the BLS's text responses, streamed or whole."""
+
+    def __init__(self, tokenizer: Any, plan: BlsPlan, skip_special_tokens: bool) -> None:
+        self.tokenizer = tokenizer
+        self.plan = plan
+        self.skip_special_tokens = skip_special_tokens
+        self.detok = IncrementalDetokenizer(tokenizer, plan.prompt_ids, skip_special_tokens)
+        self.token_ids: list[int] = []
+        self.log_probs: list[np.ndarray] = []
+        self.num_streamed_log_probs = 0  # streaming: log-probs already sent with earlier text
+        self.cum_log_probs = np.zeros((1, 1), dtype=np.float32)
+
+    def add(self, engine: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
+        """Fold in one engine response; for streaming, the text delta it completes (None: no text yet)."""
+        count = int(np.asarray(engine["sequence_length"]).reshape(-1)[0])
+        tokens = np.asarray(engine["output_ids"]).reshape(-1)[:count].tolist()
+        self.token_ids += tokens
+        if "cum_log_probs" in engine:
+            self.cum_log_probs = np.asarray(engine["cum_log_probs"], dtype=np.float32).reshape(1, 1)
+        log_probs = np.asarray(engine.get("output_log_probs", np.zeros(0)), dtype=np.float32).reshape(-1)
+        self.log_probs.append(log_probs)
+        if not self.plan.streaming:
+            return None
+        text = self.detok.add(tokens)
+        return self._outputs(text, self._unsent_log_probs()) if text else None
+
+    def finish(self) -> dict[str, np.ndarray]:
+        """The last response: the held-back rest of a stream, or the whole text of a non-streaming request."""
+        if self.plan.streaming:
+            return self._outputs(self.detok.flush(), self._unsent_log_probs())
+        if self.plan.exclude_input_in_output:
+            text = self.detok.add(self.token_ids) + self.detok.flush()
+        else:  # the engine returned prompt + output tokens: decode them like postprocessing does
+            text = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special_tokens)
+        return self._outputs(text, self._unsent_log_probs())
+
+    def _unsent_log_probs(self) -> np.ndarray:
+        """Log-probs of the tokens whose text goes out now (held-back tokens' ones wait with them)."""
+        every = np.concatenate(self.log_probs) if self.log_probs else np.zeros(0, np.float32)
+        unsent, self.num_streamed_log_probs = every[self.num_streamed_log_probs :], every.size
+        return unsent
+
+    def _outputs(self, text: str, log_probs: np.ndarray) -> dict[str, np.ndarray]:
+        return {
+            "text_output": tu.string_array([text], (1, 1)),
+            "cum_log_probs": self.cum_log_probs,
+            "output_log_probs": log_probs.reshape(1, 1, -1),
+        }
+
+
+def _as_numpy(response: Any) -> dict[str, np.ndarray]:
+    found = {}
+    for name in ENGINE_OUTPUTS:
+        tensor = pb_utils.get_output_tensor_by_name(response, name)
+        if tensor is not None:
+            found[name] = tensor.as_numpy()
+    return found
+
+
+class BlsModel:
+    """TritonPythonModel for `tensorrt_llm_bls` (model_repo/templates/tensorrt_llm_bls/1/model.py)."""
+
+    def initialize(self, args: dict[str, Any]) -> None:
+        config = json.loads(args["model_config"])
+        params = tu.ModelParameters(args["model_name"], config)
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
+        self.engine_decoupled = params.boolean("decoupled_mode", self.decoupled)
+        self.engine_model = params.string("tensorrt_llm_model_name", "tensorrt_llm")
+        self.skip_special_tokens = params.boolean("skip_special_tokens", True)
+        self.exclude_input_in_output = params.boolean("exclude_input_in_output", False)
+        self.max_seq_len = params.optional_integer("max_seq_len", minimum=2)
+        self.encoder = PromptEncoder.from_dir(
+            params.path("tokenizer_dir", tu.version_dir(args)),
+            add_special_tokens=params.boolean("add_special_tokens", True),
+            apply_chat_template=params.boolean("apply_chat_template", False),
+            max_input_len=params.optional_integer("max_input_len", minimum=1),
+        )
+
+    def execute(self, requests: list[Any]) -> None:
+        for request in requests:
+            inputs = tu.request_inputs(request, CLIENT_INPUTS)
+            sender = request.get_response_sender()
+            threading.Thread(
+                target=self._serve, args=(inputs, sender), name="llmpipe-bls", daemon=True
+            ).start()
+        return None
+
+    def _serve(self, inputs: dict[str, np.ndarray], sender: Any) -> None:
+        try:
+            plan = plan_request(self.encoder, inputs, self.max_seq_len, self.exclude_input_in_output)
+            if plan.streaming and not self.decoupled:
+                raise InvalidInputError("stream", True, "this deployment is not decoupled and cannot stream")
+        except InvalidInputError as err:
+            sender.send(tu.error_response(str(err)), flags=tu.FINAL)
+            return
+        try:
+            self._generate(plan, sender)
+        except Exception as err:  # never let one request take the stub down
+            tu.log_error(f"tensorrt_llm_bls: request failed: {err!r}")
+            sender.send(tu.error_response(f"tensorrt_llm_bls: {err}", invalid_argument=False), flags=tu.FINAL)
+
+    def _engine_request(self, inputs: dict[str, np.ndarray], request_id: str) -> Any:
+        tensors = [pb_utils.Tensor(name, value) for name, value in inputs.items()]
+        return pb_utils.InferenceRequest(
+            model_name=self.engine_model,
+            inputs=tensors,
+            request_id=request_id,
+            requested_output_names=list(ENGINE_OUTPUTS),
+        )
+
+    def _responses(self, request: Any) -> Iterable[Any]:
+        result = request.exec(decoupled=self.engine_decoupled)
+        return result if self.engine_decoupled else [result]
+
+    def _generate(self, plan: BlsPlan, sender: Any) -> None:
+        request_id = f"bls-{uuid.uuid4().hex}"
+        assembler = TextAssembler(self.encoder.tokenizer, plan, self.skip_special_tokens)
+        cancelled, next_check = False, 0.0
+        for response in self._responses(self._engine_request(plan.engine_inputs, request_id)):
+            # is_cancelled() is an IPC round trip: ask at most every CANCEL_CHECK_PERIOD_S, not per token.
+            if not cancelled and time.monotonic() >= next_check:
+                next_check = time.monotonic() + CANCEL_CHECK_PERIOD_S
+                if sender.is_cancelled():
+                    cancelled = True
+                    self._stop_engine(request_id)
+            if cancelled:
+                continue  # drain: the engine ends the stream with its response to the abort
+            if response.has_error():
+                message = response.error().message()
+                sender.send(
+                    tu.error_response(
+                        f"{self.engine_model}: {message}", invalid_argument="input '" in message
+                    ),
+                    flags=tu.FINAL,
+                )
+                return
+            engine = _as_numpy(response)
+            if "output_ids" not in engine:
+                continue
+            delta = assembler.add(engine)
+            if delta is not None:
+                sender.send(tu.make_response(delta))
+        if cancelled:
+            sender.send(flags=tu.FINAL)
+        else:
+            sender.send(tu.make_response(assembler.finish()), flags=tu.FINAL)
+
+    def _stop_engine(self, request_id: str) -> None:
+        """Cancel our engine request: tensorrtllm_backend's `stop` input, with the same request id."""
+        stop = {
+            "input_ids": np.zeros((1, 1), np.int32),
+            "input_lengths": np.ones((1, 1), np.int32),
+            "request_output_len": np.ones((1, 1), np.int32),
+            "stop": np.ones((1, 1), np.bool_),
+        }
+        for _ in self._responses(self._engine_request(stop, request_id)):
+            pass
+
+    def finalize(self) -> None:
+        self.encoder = None  # type: ignore[assignment]

@@ -1,0 +1,97 @@
+"""Engine metrics on Triton's :8002/metrics endpoint, through the Python backend's custom-metrics API.
+
+Gauges use tensorrtllm_backend's family and label names (REFERENCE.md §3.8), so dashboards built for
+TensorRT-LLM read the torch engine unchanged; latency histograms and counters are llmpipe's own.
+
+NOTE: every method must be called from ONE thread. Metric updates from several threads of a stub at
+once crash tritonserver 2.51 (SIGSEGV, seen here); the engine model funnels them through its responder.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from pipeline.runtime.metrics import LATENCY_BUCKETS_S, MetricsSnapshot
+
+REQUEST_FAMILY = "nv_trt_llm_request_metrics"
+KV_FAMILY = "nv_trt_llm_kv_cache_block_metrics"
+TTFT_FAMILY = "llmpipe_time_to_first_token_seconds"
+ITL_FAMILY = "llmpipe_inter_token_latency_seconds"
+FINISHED_FAMILY = "llmpipe_requests_finished_total"
+TOKENS_FAMILY = "llmpipe_generated_tokens_total"
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class EngineMetricsExporter:
+    def __init__(
+        self,
+        pb_utils: Any,
+        model: str,
+        version: str,
+        max_batch_size: int,
+        tokens_per_block: int,
+        buckets: Sequence[float] = LATENCY_BUCKETS_S,
+    ) -> None:
+        family = pb_utils.MetricFamily
+        labels = {"model": model, "version": version}
+        # NOTE: the families must outlive their metrics (the backend refuses updates otherwise): keep both.
+        self._families = {
+            REQUEST_FAMILY: family(
+                name=REQUEST_FAMILY, description="Number of requests by state", kind=family.GAUGE
+            ),
+            KV_FAMILY: family(name=KV_FAMILY, description="KV cache blocks by state", kind=family.GAUGE),
+            TTFT_FAMILY: family(
+                name=TTFT_FAMILY,
+                description="Time from arrival to the first output token",
+                kind=family.HISTOGRAM,
+            ),
+            ITL_FAMILY: family(
+                name=ITL_FAMILY, description="Time between output tokens of a request", kind=family.HISTOGRAM
+            ),
+            FINISHED_FAMILY: family(
+                name=FINISHED_FAMILY, description="Requests finished, by finish reason", kind=family.COUNTER
+            ),
+            TOKENS_FAMILY: family(
+                name=TOKENS_FAMILY, description="Output tokens generated", kind=family.COUNTER
+            ),
+        }
+        requests, kv = self._families[REQUEST_FAMILY], self._families[KV_FAMILY]
+        self.requests = {
+            kind: requests.Metric(labels={**labels, "request_type": kind})
+            for kind in ("waiting", "scheduled", "active", "max")
+        }
+        self.kv_blocks = {
+            kind: kv.Metric(labels={**labels, "kv_cache_block_type": kind})
+            for kind in ("used", "free", "max", "tokens_per")
+        }
+        self.ttft = self._families[TTFT_FAMILY].Metric(labels=labels, buckets=list(buckets))
+        self.itl = self._families[ITL_FAMILY].Metric(labels=labels, buckets=list(buckets))
+        self.finished = {
+            reason: self._families[FINISHED_FAMILY].Metric(labels={**labels, "finish_reason": reason})
+            for reason in FINISH_REASONS
+        }
+        self.tokens = self._families[TOKENS_FAMILY].Metric(labels=labels)
+        self.requests["max"].set(max_batch_size)
+        self.kv_blocks["tokens_per"].set(tokens_per_block)
+
+    def update_gauges(self, snapshot: MetricsSnapshot) -> None:
+        self.requests["waiting"].set(snapshot.num_requests_waiting)
+        self.requests["scheduled"].set(snapshot.num_requests_running)
+        self.requests["active"].set(snapshot.num_requests_waiting + snapshot.num_requests_running)
+        self.kv_blocks["used"].set(snapshot.num_kv_blocks_used)
+        self.kv_blocks["free"].set(snapshot.num_kv_blocks_free)
+        self.kv_blocks["max"].set(snapshot.num_kv_blocks_total)
+
+    def observe(self, ttft: float | None, itl: Sequence[float], num_tokens: int) -> None:
+        if ttft is not None:
+            self.ttft.observe(ttft)
+        for value in itl:
+            self.itl.observe(value)
+        if num_tokens:
+            self.tokens.increment(num_tokens)
+
+    def count_finished(self, reason: str | None) -> None:
+        metric = self.finished.get(reason or "error")
+        if metric is not None:
+            metric.increment(1)

@@ -1,0 +1,139 @@
+"""Small bridges between Triton's Python backend (`triton_python_backend_utils`) and plain numpy/dicts.
+
+Imported only inside a Triton stub (or a test that installs tests/stub_pb_utils.py under that name).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+_TRUE = ("true", "1", "yes")
+_FALSE = ("false", "0", "no")
+
+
+class ParameterError(ValueError):
+    """A model parameter in config.pbtxt is invalid: raised at load so the model never becomes ready."""
+
+    def __init__(self, model: str, key: str, value: object, allowed: str) -> None:
+        super().__init__(f"model '{model}': parameter {key}={value!r} is invalid: {allowed}")
+
+
+class ModelParameters:
+    """`parameters { key: ... value { string_value: ... } }` of a model, read with strict types."""
+
+    def __init__(self, model: str, model_config: Mapping[str, Any]) -> None:
+        self.model = model
+        raw = model_config.get("parameters") or {}
+        self.values = {k: str(v.get("string_value", "")) for k, v in raw.items()}
+
+    def _get(self, key: str, default: str | None) -> str:
+        if key in self.values:
+            return self.values[key]
+        if default is None:
+            raise ParameterError(self.model, key, None, "required parameter is missing")
+        return default
+
+    def string(self, key: str, default: str | None = None) -> str:
+        return self._get(key, default)
+
+    def boolean(self, key: str, default: bool | None = None) -> bool:
+        text = self._get(key, None if default is None else str(default)).strip().lower()
+        if text in _TRUE:
+            return True
+        if text in _FALSE:
+            return False
+        raise ParameterError(self.model, key, text, "expected true or false")
+
+    def integer(self, key: str, default: int | None = None, minimum: int | None = None) -> int:
+        text = self._get(key, None if default is None else str(default))
+        try:
+            value = int(text)
+        except ValueError:
+            raise ParameterError(self.model, key, text, "expected an integer") from None
+        if minimum is not None and value < minimum:
+            raise ParameterError(self.model, key, value, f"must be >= {minimum}")
+        return value
+
+    def optional_integer(self, key: str, minimum: int | None = None) -> int | None:
+        return None if key not in self.values or not self.values[key] else self.integer(key, minimum=minimum)
+
+    def real(
+        self, key: str, default: float | None = None, low: float = float("-inf"), high: float = float("inf")
+    ) -> float:
+        text = self._get(key, None if default is None else repr(default))
+        try:
+            value = float(text)
+        except ValueError:
+            raise ParameterError(self.model, key, text, "expected a number") from None
+        if not low < value <= high:
+            raise ParameterError(self.model, key, value, f"must be in ({low}, {high}]")
+        return value
+
+    def choice(self, key: str, allowed: Iterable[str], default: str | None = None) -> str:
+        options = tuple(allowed)
+        value = self._get(key, default)
+        if value not in options:
+            raise ParameterError(self.model, key, value, f"choose one of {', '.join(options)}")
+        return value
+
+    def path(self, key: str, base: Path) -> Path:
+        """A path parameter; relative ones resolve against the model's version folder (relocatable)."""
+        path = Path(self._get(key, None)).expanduser()
+        path = path if path.is_absolute() else base / path
+        if not path.exists():
+            raise ParameterError(self.model, key, str(path), "path does not exist")
+        return path
+
+
+def version_dir(args: Mapping[str, str]) -> Path:
+    """`<repository>/<model>/<version>/` of the model being initialized."""
+    return Path(args["model_repository"]) / str(args["model_version"])
+
+
+def request_inputs(request: Any, names: Iterable[str]) -> dict[str, np.ndarray]:
+    """The named inputs the client sent (absent optional inputs are left out)."""
+    found = {}
+    for name in names:
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        if tensor is not None:
+            found[name] = tensor.as_numpy()
+    return found
+
+
+def make_response(outputs: Mapping[str, np.ndarray]) -> Any:
+    return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in outputs.items()])
+
+
+def error_response(message: str, invalid_argument: bool = True) -> Any:
+    """A response carrying an error; InvalidArgument (HTTP 400) for client mistakes, else Internal."""
+    code = getattr(pb_utils.TritonError, "INVALID_ARG" if invalid_argument else "INTERNAL", None)
+    try:
+        error = pb_utils.TritonError(message, code) if code is not None else pb_utils.TritonError(message)
+    except TypeError:  # a backend older than error codes
+        error = pb_utils.TritonError(message)
+    return pb_utils.InferenceResponse(output_tensors=[], error=error)
+
+
+def unavailable_response(message: str) -> Any:
+    code = getattr(pb_utils.TritonError, "UNAVAILABLE", None)
+    error = pb_utils.TritonError(message, code) if code is not None else pb_utils.TritonError(message)
+    return pb_utils.InferenceResponse(output_tensors=[], error=error)
+
+
+def string_array(texts: Iterable[str], shape: tuple[int, ...]) -> np.ndarray:
+    """Texts as a Triton STRING tensor (UTF-8 bytes objects)."""
+    return np.array([t.encode("utf-8") for t in texts], dtype=np.object_).reshape(shape)
+
+
+def log_info(message: str) -> None:
+    pb_utils.Logger.log_info(message)
+
+
+def log_error(message: str) -> None:
+    pb_utils.Logger.log_error(message)

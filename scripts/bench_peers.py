@@ -1,0 +1,324 @@
+"""Issue 7's default comparison (what `make bench` runs): llmpipe beside its peers on SmolLM2-135M, same
+prompts, same output lengths, same machine, one run, with every speed target marked met / missed / not
+measured. A benchmark, not a test.
+
+Workloads (greedy, outputs forced to their length):
+  - throughput: the first --requests prompts of the shipped prompt set, --output-tokens each; single-stream
+    figures use the first --single-requests of them one at a time, batched figures all of them at once;
+  - TTFT: --requests synthetic 256-token prompts (real text), 32 output tokens, at concurrency 1 and 16.
+
+Systems: llmpipe per precision (--precisions; in-process, and through Triton when its model repository
+builds and serves), HF transformers (one at a time, padded static batch), llama.cpp f32/Q8_0/Q4_1
+(llama-cpp-python; continuous batching through its low-level batch API) and CTranslate2 float32/int8.
+Peers that are not installed are reported as such (`make bench-deps` installs them).
+
+    python scripts/bench_peers.py --out benchmarks/results
+    python scripts/bench_peers.py --precisions fp32 --peers hf,llamacpp-q8_0 --output-tokens 64   # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import time
+import traceback
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pipeline.bench import report, suite
+from pipeline.bench.builds import Build, ensure_built
+from pipeline.bench.clients.inprocess import InProcessTarget
+from pipeline.bench.load import RunResult, Target, run_closed_loop
+from pipeline.bench.metrics import percentile, ttft
+from pipeline.bench.workloads import BenchRequest, LengthSpec, shipped_prompts, synthetic, tokenize
+from pipeline.errors import PipelineError
+
+# precision -> (build config, overrides); int4 has no config file of its own
+BUILDS: dict[str, tuple[str, list[str]]] = {
+    "fp32": ("build_configs/smollm2-135m.yaml", []),
+    "int8": ("build_configs/smollm2-135m-int8.yaml", []),
+    "int4": ("build_configs/smollm2-135m.yaml", ["name=smollm2-135m-int4", "quantization.mode=int4_wo"]),
+}
+BATCH = 16
+TTFT_PROMPT_TOKENS = 256
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--precisions", default="fp32,int8,int4")
+    parser.add_argument("--peers", default="hf,llamacpp,ct2", help="as `llmpipe bench --compare`")
+    parser.add_argument("--requests", type=int, default=BATCH, help="requests per batched run")
+    parser.add_argument("--single-requests", type=int, default=4, help="requests run one at a time")
+    parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--no-serve", action="store_true", help="skip the Triton runs")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for every system alike (default: each one's own, all cores)",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cache-dir", type=Path, default=Path("build/peers"))
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--no-progress", action="store_true")
+    return parser.parse_args(argv)
+
+
+def _closed(
+    target: Target,
+    requests: list[BenchRequest],
+    concurrency: int,
+    extra: Mapping[str, object],
+    progress: bool,
+) -> RunResult:
+    load = report.load_1m()
+    with report.ProgressBar(len(requests), f"{target.name} c={concurrency}", progress) as bar:
+        result = run_closed_loop(target, requests, concurrency, on_record=bar)
+    result.extra.update(extra, load_1m=load)
+    return result
+
+
+def _measure_ours(
+    target: Target,
+    path: str,
+    precision: str,
+    single: list[BenchRequest],
+    batch: list[BenchRequest],
+    warmup: list[BenchRequest],
+    progress: bool,
+) -> list[RunResult]:
+    extra = {"engine": "llmpipe", "precision": precision, "path": path}
+    run_closed_loop(target, warmup, len(warmup))
+    return [_closed(target, single, 1, extra, progress), _closed(target, batch, BATCH, extra, progress)]
+
+
+def _ttft_runs(
+    target: Target, requests: list[BenchRequest], progress: bool
+) -> tuple[list[RunResult], dict[str, float]]:
+    """TTFT on 256-token prompts, in-process (the target is about the scheduler: chunked context must keep
+    new requests from starving): 4 requests one at a time, then all of them 16 at a time. The c=16 p95
+    counts every request, the first 16 of which arrive together (a burst); the steady-state p95 leaves
+    those out, so it shows how a request fares when it joins 15 running ones."""
+    extra = {"engine": "llmpipe", "precision": "fp32", "path": "inprocess", "workload": "prompt256"}
+    c1 = _closed(target, requests[:4], 1, extra, progress)
+    c16 = _closed(target, requests, BATCH, extra, progress)
+    for run in (c1, c16):
+        run.system = f"{target.name} prompt256"
+    m1, m16 = c1.metrics(), c16.metrics()
+    steady = [r for r in c16.records[BATCH:] if r.ok]
+    keys = {}
+    if m1.ttft_s and m16.ttft_s:
+        keys = {
+            "llmpipe.fp32.ttft_mean_c1_prompt256_s": m1.ttft_s.mean,
+            "llmpipe.fp32.ttft_p95_c16_prompt256_s": m16.ttft_s.p95,
+        }
+        ttfts = [t for t in (ttft(r) for r in steady) if t is not None]
+        if ttfts:
+            keys["llmpipe.fp32.ttft_p95_c16_steady_prompt256_s"] = percentile(ttfts, 95)
+    return [c1, c16], keys
+
+
+def _serve(build: Build) -> Any:
+    from pipeline.serving.launcher import TritonServer
+    from pipeline.serving.server_cmd import ServerOptions
+
+    assert build.model_repo is not None
+    return TritonServer(
+        ServerOptions(model_repository=build.model_repo, http_port=0, grpc_port=0, metrics_port=0)
+    )
+
+
+def _problem(problems: list[str], what: str, err: BaseException) -> None:
+    detail = err.message if isinstance(err, PipelineError) else f"{type(err).__name__}: {err}"
+    problems.append(f"{what}: {detail}")
+    print(f"!! {what}: {detail}", file=sys.stderr)
+    if not isinstance(err, PipelineError):
+        traceback.print_exc(file=sys.stderr)
+
+
+def run_ours(
+    args: argparse.Namespace,
+    precisions: list[str],
+    wl: dict[str, list[BenchRequest]],
+    eos_id: int | None,
+    problems: list[str],
+) -> tuple[list[RunResult], dict[str, float]]:
+    results: list[RunResult] = []
+    keys: dict[str, float] = {}
+    for precision in precisions:
+        config, overrides = BUILDS[precision]
+        try:
+            build = ensure_built(config, overrides, until="engine")
+            assert build.engine_dir is not None
+            engine = InProcessTarget.from_engine_dir(
+                build.engine_dir, end_id=eos_id, name=f"llmpipe-{precision}"
+            )
+        except Exception as err:  # noqa: BLE001 - one precision failing must not cost the others' numbers
+            _problem(problems, f"llmpipe {precision} engine", err)
+            continue
+        try:
+            results += _measure_ours(
+                engine, "inprocess", precision, wl["single"], wl["batch"], wl["warmup"], not args.no_progress
+            )
+            if precision == "fp32":
+                ttft, keys = _ttft_runs(engine, wl["prompt256"], not args.no_progress)
+                results += ttft
+        finally:
+            engine.close()
+        if not args.no_serve:
+            results += _served(args, precision, config, overrides, wl, problems)
+    return results, keys
+
+
+def _served(
+    args: argparse.Namespace,
+    precision: str,
+    config: str,
+    overrides: list[str],
+    wl: dict[str, list[BenchRequest]],
+    problems: list[str],
+) -> list[RunResult]:
+    from pipeline.bench.clients.triton import triton_target
+
+    results: list[RunResult] = []
+    try:
+        build = ensure_built(config, overrides, until="package")
+        with _serve(build) as server:
+            client = triton_target(f"grpc://{server.grpc_url}", name=f"llmpipe-{precision}-triton")
+            try:
+                results += _measure_ours(
+                    client, "triton", precision, wl["single"], wl["batch"], wl["warmup"], not args.no_progress
+                )
+            finally:
+                client.close()
+    except Exception as err:  # noqa: BLE001 - report the serving failure, keep the in-process numbers
+        _problem(problems, f"llmpipe {precision} through Triton", err)
+    return results
+
+
+def run_peers(
+    args: argparse.Namespace,
+    wl: dict[str, list[BenchRequest]],
+    hf_dir: Path,
+    tokenizer: Any,
+    gguf: Path,
+    problems: list[str],
+) -> list[RunResult]:
+    results: list[RunResult] = []
+    for family, precision in suite.parse_compare(args.peers):
+        name = f"{family}-{precision}"
+        print(f"peer {name}: loading", file=sys.stderr)
+        try:
+            peer = suite.make_peer(
+                family, precision, hf_dir, tokenizer, args.cache_dir, BATCH, gguf, args.threads
+            )
+        except Exception as err:  # noqa: BLE001 - a peer that does not install or load is reported, not fatal
+            _problem(problems, f"peer {name}", err)
+            continue
+        try:
+            peer.run(wl["warmup"], 1)
+            for requests, size in ((wl["single"], 1), (wl["batch"], BATCH)):
+                load = report.load_1m()
+                with report.ProgressBar(len(requests), f"{name} batch {size}", not args.no_progress) as bar:
+                    result = peer.run(requests, size, on_record=bar)
+                result.extra["load_1m"] = load
+                results.append(result)
+        except Exception as err:  # noqa: BLE001
+            _problem(problems, f"peer {name} run", err)
+        finally:
+            peer.close()
+    return results
+
+
+def _steady_note(keys: dict[str, float]) -> list[str]:
+    single = keys.get("llmpipe.fp32.ttft_mean_c1_prompt256_s")
+    steady = keys.get("llmpipe.fp32.ttft_p95_c16_steady_prompt256_s")
+    if not single or steady is None:
+        return []
+    return [
+        f"TTFT p95 at c=16 without the initial burst of 16 simultaneous arrivals (steady state): {steady:.2f} s, "
+        f"{steady / single:.2f}x the single-request TTFT ({single:.2f} s)."
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    command = "python scripts/bench_peers.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    precisions = [p for p in args.precisions.split(",") if p]
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        # the tritonserver started below, and its Python stubs, inherit this: same threads as in-process
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    base = ensure_built(*BUILDS["fp32"], until="fetch")  # the tokenizer and the peers' checkpoint
+    from transformers import AutoTokenizer
+
+    from pipeline.stages.fetch import gguf_file
+
+    tokenizer = AutoTokenizer.from_pretrained(base.hf_dir)
+    batch = tokenize(shipped_prompts(output_tokens=args.output_tokens)[: args.requests], tokenizer)
+    wl = {
+        "batch": batch,
+        "single": batch[: args.single_requests],
+        "warmup": tokenize(
+            synthetic(2, LengthSpec(64), LengthSpec(8), seed=args.seed + 1, tokenizer=tokenizer), tokenizer
+        ),
+        "prompt256": tokenize(
+            synthetic(
+                3 * BATCH,
+                LengthSpec(TTFT_PROMPT_TOKENS),
+                LengthSpec(32),
+                seed=args.seed,
+                tokenizer=tokenizer,
+            ),
+            tokenizer,
+        ),
+    }
+    problems: list[str] = []
+    started = time.monotonic()
+    results, keys = run_ours(args, precisions, wl, tokenizer.eos_token_id, problems)
+    results += run_peers(args, wl, base.hf_dir, tokenizer, gguf_file(base.cfg), problems)
+    run_dir = args.out / f"{time.strftime('%Y-%m-%d')}-{report.machine_tag()}"
+    meta = {"command": command, "problems": problems, "wall_s": round(time.monotonic() - started, 1)}
+    text, verdicts, files = suite.finish(
+        results, run_dir, meta, extra_measurements=keys, include_unmeasured=True
+    )
+    notes = [
+        f"Workload: {len(batch)} shipped prompts ({min(r.num_input_tokens for r in batch)}-"
+        f"{max(r.num_input_tokens for r in batch)} tokens), {args.output_tokens} output tokens each (forced), greedy. "
+        f"Single-stream rows: the first {len(wl['single'])} prompts one at a time; c=16 / batch 16 rows: all "
+        f"{len(batch)} at once. prompt256 rows: {len(wl['prompt256'])} synthetic {TTFT_PROMPT_TOKENS}-token prompts, "
+        "32 output tokens. 'decode tok/s per request' = 1 / mean TPOT. Load avg = 1-minute load when the run "
+        "started (2 cores: above 2 means other processes competed).",
+        f"Wall time {meta['wall_s']} s. CPU threads per system: {args.threads or 'default (all cores)'}.",
+        *_steady_note(keys),
+        *(f"- Not measured: {p}" for p in problems),
+    ]
+    plots = [f for f in files if f.suffix == ".png"]
+    page = report.markdown_document(
+        "llmpipe vs peers (issue 7)",
+        command,
+        notes,
+        results,
+        verdicts,
+        [f"{run_dir.name}/{p.name}" for p in plots],
+    )
+    page_path = args.out / f"{run_dir.name}.md"
+    page_path.write_text(page)
+    print(text)
+    print(f"\nwrote {page_path} and {run_dir}/", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except PipelineError as err:
+        print(f"Error: {err.message}" + (f"\nHint: {err.hint}" if err.hint else ""), file=sys.stderr)
+        sys.exit(1)

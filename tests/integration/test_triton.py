@@ -1,0 +1,301 @@
+"""A REAL tritonserver (Triton 2.51 from nvidia-pytriton) serving the tiny model's rendered repository: HTTP
+and gRPC, streaming and unary, ensemble and BLS, all equal to the in-process engine's greedy output; 16
+concurrent streams; cancellation freeing KV blocks; engine metrics on :8002; a clean shutdown.
+
+Two servers per run: one decoupled (streaming) deployment and one non-decoupled (unary) one."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline.errors import ServingError
+from pipeline.runtime.engine import LLMEngine
+from pipeline.runtime.sampling_params import SamplingParams
+from pipeline.serving.client import GenerationOptions, GrpcClient, HttpClient
+from pipeline.serving.launcher import TritonServer
+from pipeline.serving.repository import render_model_repository
+from pipeline.serving.server_cmd import ServerOptions, find_tritonserver
+from pipeline.serving.tokenization import PromptEncoder
+from tests.serving_helpers import MULTIBYTE_PROMPT, build_tiny_engine, tiny_config
+
+pytestmark = pytest.mark.triton
+PROMPTS = ("The quick brown fox", MULTIBYTE_PROMPT)
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    try:
+        find_tritonserver()
+    except ServingError as err:
+        pytest.skip(f"no tritonserver: {err}")
+    return build_tiny_engine(tiny_llama_dir, tmp_path_factory.mktemp("triton-engine"))
+
+
+@pytest.fixture(scope="module")
+def expected(engine_dir: Path) -> dict[tuple[str, int], str]:
+    """prompt, max_tokens -> the in-process engine's greedy text, tokenized the way preprocessing does."""
+    encoder = PromptEncoder.from_dir(engine_dir / "tokenizer")
+    engine = LLMEngine.from_engine_dir(engine_dir)
+    prompts = [(p, MAX_TOKENS) for p in PROMPTS] + [(f"Request {i}: " + "word " * i, 40) for i in range(16)]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, end_id=encoder.end_id) for _, n in prompts]
+    done = engine.generate([encoder.encode_prompt(p) for p, _ in prompts], params)
+    return {
+        key: encoder.tokenizer.decode(r.output_token_ids, skip_special_tokens=True)
+        for key, r in zip(prompts, done, strict=True)
+    }
+
+
+def _server(tiny_llama_dir: Path, engine_dir: Path, root: Path, decoupled: bool) -> Iterator[TritonServer]:
+    repo = root / "model_repo"
+    render_model_repository(tiny_config(tiny_llama_dir, decoupled=decoupled), engine_dir, repo)
+    # A roomy exit timeout: the check is that shutdown is clean, not fast, on a busy 2-core machine.
+    options = ServerOptions(repo, http_port=0, grpc_port=0, metrics_port=0, exit_timeout_s=20)
+    server = TritonServer(options, ready_timeout_s=240)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def streaming(
+    tiny_llama_dir: Path, engine_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[TritonServer]:
+    yield from _server(tiny_llama_dir, engine_dir, tmp_path_factory.mktemp("decoupled"), decoupled=True)
+
+
+@pytest.fixture(scope="module")
+def unary(
+    tiny_llama_dir: Path, engine_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[TritonServer]:
+    yield from _server(tiny_llama_dir, engine_dir, tmp_path_factory.mktemp("unary"), decoupled=False)
+
+
+def _metrics(server: TritonServer) -> dict[str, float]:
+    with urllib.request.urlopen(server.metrics_url, timeout=10) as reply:
+        text = reply.read().decode()
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+
+
+def _metric(values: dict[str, float], family: str, **labels: str) -> float:
+    for key, value in values.items():
+        if key.startswith(family + "{") and all(f'{k}="{v}"' in key for k, v in labels.items()):
+            return value
+    raise AssertionError(f"{family}{labels} not on the metrics endpoint")
+
+
+# --- decoupled (streaming) deployment ---
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_http_generate_and_generate_stream_equal_the_engine(
+    streaming: TritonServer, expected: dict, prompt: str
+) -> None:
+    http = HttpClient(streaming.http_url)
+    want = expected[(prompt, MAX_TOKENS)]
+    assert http.generate(prompt, GenerationOptions(max_tokens=MAX_TOKENS)).text == want
+    chunks = [c.text for c in http.stream(prompt, GenerationOptions(max_tokens=MAX_TOKENS, stream=True))]
+    assert "".join(chunks) == want and len(chunks) > 1
+
+
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_grpc_stream_equals_whole_text_equals_engine(
+    streaming: TritonServer, expected: dict, model: str, prompt: str
+) -> None:
+    want = expected[(prompt, MAX_TOKENS)]
+    with GrpcClient(streaming.grpc_url, model) as client:
+        streamed = client.generate(prompt, GenerationOptions(max_tokens=MAX_TOKENS, stream=True))
+        whole = client.generate(prompt, GenerationOptions(max_tokens=MAX_TOKENS))
+    assert streamed.text == whole.text == want
+    assert len(streamed.chunks) > 1 and len(whole.chunks) == 1
+
+
+def test_16_concurrent_grpc_streams_are_all_correct(streaming: TritonServer, expected: dict) -> None:
+    prompts = [(f"Request {i}: " + "word " * i, 40) for i in range(16)]
+
+    def run(prompt: str) -> str:
+        with GrpcClient(streaming.grpc_url) as client:
+            return client.generate(prompt, GenerationOptions(max_tokens=40, stream=True)).text
+
+    with ThreadPoolExecutor(16) as pool:
+        texts = list(pool.map(run, [p for p, _ in prompts]))
+    assert texts == [expected[key] for key in prompts]
+
+
+def _wait_for(predicate, timeout: float = 20.0) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _engine_stream_cancelled_after_two(server: TritonServer) -> None:
+    """A raw tensorrt_llm stream (token ids in, token ids out) that the client abandons."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    received: list[object] = []
+    client.start_stream(callback=lambda result=None, error=None: received.append(result or error))
+    tensors = {
+        "input_ids": np.array([[1, 57, 300]], np.int32),
+        "input_lengths": np.array([[3]], np.int32),
+        "request_output_len": np.array([[900]], np.int32),
+        "streaming": np.array([[True]]),
+    }
+    inputs = []
+    for name, array in tensors.items():
+        tensor = grpcclient.InferInput(name, list(array.shape), "BOOL" if array.dtype == bool else "INT32")
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    client.async_stream_infer("tensorrt_llm", inputs)
+    assert _wait_for(lambda: len(received) >= 2)
+    client.stop_stream(cancel_requests=True)
+    client.close()
+
+
+def test_cancelled_streams_free_their_kv_blocks(streaming: TritonServer) -> None:
+    before = _metric(_metrics(streaming), "llmpipe_requests_finished_total", finish_reason="abort")
+    with GrpcClient(streaming.grpc_url, "tensorrt_llm_bls") as client:
+        chunks = list(
+            client.stream(
+                "Tell me a long story", GenerationOptions(max_tokens=900, stream=True), cancel_after=2
+            )
+        )
+    assert len(chunks) == 2
+    _engine_stream_cancelled_after_two(streaming)
+
+    def settled() -> bool:
+        values = _metrics(streaming)
+        return (
+            _metric(values, "llmpipe_requests_finished_total", finish_reason="abort") >= before + 2
+            and _metric(values, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="used") == 0
+        )
+
+    assert _wait_for(settled), _metrics(streaming)
+
+
+def test_metrics_endpoint_shows_engine_gauges_and_latencies(streaming: TritonServer) -> None:
+    with GrpcClient(streaming.grpc_url) as client:
+        client.generate("metrics", GenerationOptions(max_tokens=4))
+    values = _metrics(streaming)
+    total = _metric(values, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="max")
+    assert total == 16384 // 16
+    assert _metric(values, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="tokens_per") == 16
+    assert _metric(values, "nv_trt_llm_request_metrics", request_type="max") == 16
+    for state in ("waiting", "scheduled", "active"):
+        assert _metric(values, "nv_trt_llm_request_metrics", request_type=state) >= 0
+    assert _metric(values, "llmpipe_time_to_first_token_seconds_count") >= 1
+    assert _metric(values, "llmpipe_inter_token_latency_seconds_bucket", le="+Inf") >= 1
+    assert _metric(values, "nv_inference_request_success", model="ensemble") >= 1
+
+
+def test_bad_requests_are_client_errors_naming_the_input(streaming: TritonServer) -> None:
+    http = HttpClient(streaming.http_url)
+    with pytest.raises(ServingError, match=r"HTTP 400.*input 'max_tokens'=0: must be >= 1"):
+        http.generate("hello", GenerationOptions(max_tokens=0))
+    with (
+        GrpcClient(streaming.grpc_url, "tensorrt_llm_bls") as client,
+        pytest.raises(
+            ServingError, match=r"input 'max_tokens'=5000: prompt \(\d+ tokens\) \+ max_tokens exceeds"
+        ),
+    ):
+        client.generate("hello", GenerationOptions(max_tokens=5000))
+    assert http.generate("still healthy", GenerationOptions(max_tokens=2)).text is not None
+
+
+# --- non-decoupled (unary) deployment ---
+
+
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_grpc_unary_equals_the_engine(unary: TritonServer, expected: dict, model: str) -> None:
+    with GrpcClient(unary.grpc_url, model) as client:
+        for prompt in PROMPTS:
+            assert (
+                client.infer(prompt, GenerationOptions(max_tokens=MAX_TOKENS)).text
+                == expected[(prompt, MAX_TOKENS)]
+            )
+        with pytest.raises(ServingError, match="not decoupled"):
+            client.infer(PROMPTS[0], GenerationOptions(max_tokens=4, stream=True))
+    http = HttpClient(unary.http_url, model)
+    assert (
+        http.generate(PROMPTS[1], GenerationOptions(max_tokens=MAX_TOKENS)).text
+        == expected[(PROMPTS[1], MAX_TOKENS)]
+    )
+
+
+def test_generate_command_prints_the_answer(streaming: TritonServer, expected: dict) -> None:
+    from click.testing import CliRunner
+
+    from pipeline.commands.generate import generate
+
+    want = expected[(PROMPTS[1], MAX_TOKENS)]
+    streamed = CliRunner().invoke(
+        generate, [PROMPTS[1], "--url", streaming.grpc_url, "--stream", "--max-tokens", str(MAX_TOKENS)]
+    )
+    assert streamed.exit_code == 0, streamed.output
+    assert streamed.output == want + "\n"
+    as_json = CliRunner().invoke(
+        generate,
+        [
+            PROMPTS[1],
+            "--url",
+            streaming.http_url,
+            "--http",
+            "--json",
+            "--model",
+            "tensorrt_llm_bls",
+            "--max-tokens",
+            str(MAX_TOKENS),
+        ],
+    )
+    assert as_json.exit_code == 0, as_json.output
+    assert json.loads(as_json.output)["text_output"] == want
+
+
+def test_a_model_that_fails_to_load_is_reported_with_its_log_lines(
+    streaming: TritonServer, tmp_path: Path
+) -> None:
+    repo = tmp_path / "broken"
+    shutil.copytree(streaming.options.model_repository / "tensorrt_llm", repo / "tensorrt_llm", symlinks=True)
+    config = repo / "tensorrt_llm" / "config.pbtxt"
+    config.write_text(config.read_text().replace('"guaranteed_no_evict"', '"fifo"'))
+    server = TritonServer(ServerOptions(repo, http_port=0, grpc_port=0, metrics_port=0), ready_timeout_s=120)
+    with pytest.raises(ServingError) as err:
+        server.start()
+    assert "tritonserver exited" in str(err.value)
+    assert "parameter batch_scheduler_policy='fifo' is invalid: choose one of guaranteed_no_evict" in str(
+        err.value
+    )
+    assert server.leftover_shm() == []
+
+
+def test_servers_shut_down_cleanly(streaming: TritonServer, unary: TritonServer) -> None:
+    # `llmpipe serve` blocks in serve_forever(): a SIGTERM to it (here: to this process) stops the server.
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    assert streaming.serve_forever() == 0 and streaming.stopped_on_request
+    for server in (streaming, unary):
+        assert server.stop() == 0, [line for line in server.log_lines() if "unload" in line][-8:]
+        assert server.leftover_shm() == []
+        assert not any(re.search(r"Exit timeout expired|Non-graceful", line) for line in server.log_lines())

@@ -1,0 +1,38 @@
+"""Shared by the serving tests: a build config and a torch engine directory for the tiny random Llama."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import BuildConfig
+
+# max_seq_len leaves room for long generations, so that a cancellation lands before the request ends.
+ENGINE_LIMITS = {"max_batch_size": 16, "max_input_len": 256, "max_seq_len": 1024, "max_num_tokens": 512}
+MULTIBYTE_PROMPT = "héllo wörld, 日本語のテキスト 🚀"
+
+
+def tiny_config(hf_dir: Path, *, decoupled: bool = True, **sections: Any) -> BuildConfig:
+    data: dict[str, Any] = {
+        "name": "tiny-serving",
+        "source": {"kind": "local", "path": str(hf_dir)},
+        "dtype": "float32",
+        "engine": dict(ENGINE_LIMITS),
+        "kv_cache": {"tokens_per_block": 16, "max_tokens": 16384},
+        "serving": {"decoupled": decoupled, "streaming": decoupled},
+    }
+    for key, value in sections.items():
+        data[key] = {**data[key], **value} if isinstance(value, dict) else value
+    return BuildConfig.model_validate(data)
+
+
+def build_tiny_engine(hf_dir: Path, root: Path) -> Path:
+    """convert + build of the torch backend into `root/engine`; returns the engine directory."""
+    from pipeline.backends.torch.build import build
+    from pipeline.backends.torch.checkpoint import convert
+
+    cfg = tiny_config(hf_dir)
+    checkpoint, engine = root / "checkpoint", root / "engine"
+    convert(cfg, hf_dir, checkpoint)
+    build(cfg, checkpoint, engine)
+    return engine

@@ -1,0 +1,122 @@
+"""`llmpipe bench`: user mistakes end as one-line errors, and a run writes its table and results."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeline.cli import main
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TINY_CONFIG = str(REPO_ROOT / "build_configs" / "tiny-llama.yaml")
+
+
+def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", *argv])
+        raise SystemExit(0)
+    out, err = capsys.readouterr()
+    return int(exit_info.value.code or 0), out, err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["no-such.yaml"], "is neither a build config file nor a host:port URL"),
+        ([TINY_CONFIG, "--concurrency", "1,x"], "--concurrency must be comma-separated integers"),
+        ([TINY_CONFIG, "--concurrency", "0"], "--concurrency must be integers >= 1"),
+        ([TINY_CONFIG, "--rate", "-1"], "--rate must be numbers > 0"),
+        ([TINY_CONFIG, "--compare", "hf,vllm"], "--compare: unknown peer 'vllm'"),
+        ([TINY_CONFIG, "--compare", "llamacpp-q2_k"], "unknown peer 'llamacpp-q2_k'"),
+        (["localhost:8001"], "a URL target needs --hf-model DIR"),
+        (["http://localhost"], "is neither a build config file nor a host:port URL"),
+    ],
+)
+def test_user_mistakes_are_one_line_errors(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str], in_tmp_workdir: Path
+) -> None:
+    code, _out, err = _run(argv, capsys)
+    assert code == 1
+    assert message in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["localhost:8001", "--in-process"], "--in-process needs a CONFIG"),
+        ([TINY_CONFIG, "--compare", "hf", "--rate", "1"], "peers are measured closed-loop"),
+    ],
+)
+def test_conflicting_flags_are_usage_errors(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str], in_tmp_workdir: Path
+) -> None:
+    code, _out, err = _run(argv, capsys)
+    assert code == 2 and message in err
+
+
+def test_missing_engine_build_names_the_stage_to_run(
+    capsys: pytest.CaptureFixture[str], in_tmp_workdir: Path
+) -> None:
+    code, _out, err = _run([TINY_CONFIG, "--in-process"], capsys)
+    assert code == 1
+    assert "no fetch output" in err and "llmpipe fetch CONFIG" in err
+
+
+def test_unreachable_endpoint_is_a_serving_error(
+    tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str], in_tmp_workdir: Path
+) -> None:
+    code, _out, err = _run(["http://127.0.0.1:9", "--hf-model", str(tiny_llama_dir)], capsys)
+    assert code == 1 and "cannot reach Triton at http://127.0.0.1:9" in err
+
+
+def test_in_process_run_writes_table_and_results(
+    tiny_llama_dir: Path,
+    capsys: pytest.CaptureFixture[str],
+    in_tmp_workdir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from pipeline.bench import builds
+    from pipeline.runtime.engine import LLMEngine
+    from tests.helpers import make_engine
+
+    loaded: list[Path] = []
+
+    def fake_from_engine_dir(cls: type, engine_dir: Path, **overrides: object) -> LLMEngine:
+        loaded.append(engine_dir)
+        return make_engine(num_blocks=128, block_size=4)[0]
+
+    monkeypatch.setattr(LLMEngine, "from_engine_dir", classmethod(fake_from_engine_dir))
+    monkeypatch.setattr(builds, "fetched_checkpoint", lambda cfg: tiny_llama_dir)
+    monkeypatch.setattr(builds, "stage_output", lambda cfg, stage: in_tmp_workdir)
+    out_dir = in_tmp_workdir / "results"
+    code, out, _err = _run(
+        [
+            TINY_CONFIG,
+            "--in-process",
+            "--concurrency",
+            "1,2",
+            "--requests",
+            "4",
+            "--input-mean",
+            "12",
+            "--output-mean",
+            "5",
+            "--out",
+            str(out_dir),
+            "--no-plots",
+            "--no-progress",
+        ],
+        capsys,
+    )
+    assert code == 0
+    assert loaded == [in_tmp_workdir]
+    assert "out tok/s" in out and "c=1" in out and "c=2" in out
+    data = json.loads((out_dir / "results.json").read_text())
+    assert [run["concurrency"] for run in data["runs"]] == [1, 2]
+    assert all(run["ok"] == 4 and run["err"] == 0 for run in data["runs"])
+    assert all(req["output_tokens"] == 5 for run in data["runs"] for req in run["requests"])
+    assert "llmpipe.fp32.inprocess.c2_tok_s" in data["measurements"]
+    assert (out_dir / "results.csv").read_text().count("\n") == 3
