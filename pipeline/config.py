@@ -23,11 +23,11 @@ QuantMode = Literal[
 ]
 # Which quantization modes each backend implements; `trtllm` follows ModelOpt's quantize.py --qformat list.
 BACKEND_QUANT_MODES: dict[str, tuple[str, ...]] = {
-    "torch": ("none", "int8_wo", "int4_wo", "int4_awq"),
+    "torch": ("none", "int8_wo", "int4_wo"),
     "trtllm": ("none", "int8_wo", "int4_wo", "int4_awq", "w4a8_awq", "int8_sq", "fp8", "fp8_pc_pt", "nvfp4"),
 }
 BACKEND_KV_DTYPES: dict[str, tuple[str, ...]] = {
-    "torch": ("auto", "int8"),
+    "torch": ("auto",),
     "trtllm": ("auto", "int8", "fp8"),
 }
 # quantize.py --qformat -> the checkpoint's quantization.quant_algo (REFERENCE.md §1.3).

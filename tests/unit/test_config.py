@@ -36,7 +36,7 @@ INVALID = [
     ({"kv_cache": {"use_paged_context_fmha": False, "enable_block_reuse": True}}, "kv_cache.enable_block_reuse=true needs kv_cache.use_paged_context_fmha=true"),
     ({"kv_cache": {"use_paged_context_fmha": False}, "scheduler": {"enable_chunked_context": True}}, "scheduler.enable_chunked_context=true needs"),
     ({"quantization": {"mode": "fp8"}}, "quantization.mode=fp8 is not available on backend=torch"),
-    ({"quantization": {"kv_cache_dtype": "fp8"}}, "quantization.kv_cache_dtype=fp8 is not available on backend=torch"),
+    ({"quantization": {"kv_cache_dtype": "int8"}}, "quantization.kv_cache_dtype=int8 is not available on backend=torch"),
     ({"parallel": {"tp_size": 2}}, "parallel.tp_size=2 pp_size=1: the torch backend runs on one device"),
     ({"serving": {"decoupled": False, "streaming": True}}, "serving.streaming=true needs serving.decoupled=true"),
     ({"engine": {"max_num_tokens": 256, "max_input_len": 1024}}, "engine.max_num_tokens=256 < engine.max_input_len=1024"),

@@ -1,0 +1,82 @@
+"""quantize (torch backend): weight-only int8 (W8A16, per output channel) or int4 (W4A16, group-wise with
+zero points) applied to a converted checkpoint. The packed tensors use the on-disk layout of
+`pipeline.runtime.quant.primitives`; the scheme and group size go into `config.json`'s `quantization`
+section, which the runtime's loader reads (never a file name)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from pipeline.config import BuildConfig
+from pipeline.errors import ConfigError, MissingArtifactError
+from pipeline.runtime.engine_config import TOKENIZER_DIR, WEIGHTS_FILE
+from pipeline.runtime.quant.linear import QuantLinear
+
+# quantization.mode -> the QuantLinear scheme.
+SCHEMES = {"int8_wo": "int8", "int4_wo": "int4"}
+# The linear layers of each transformer block (runtime names, see checkpoint.LAYER_WEIGHTS).
+LAYER_LINEARS = ("attention.qkv", "attention.dense", "mlp.gate_up", "mlp.proj")
+
+
+def quantize(cfg: BuildConfig, ckpt_dir: Path, out_dir: Path, hf_dir: Path | None = None) -> dict[str, Any]:
+    """Write the quantized checkpoint of `ckpt_dir` into `out_dir`. `hf_dir` is unused: weight-only
+    round-to-nearest needs no calibration data."""
+    started = time.perf_counter()
+    q = cfg.quantization
+    if q.mode not in SCHEMES:
+        raise ConfigError(
+            f"quantization.mode={q.mode} is not implemented by the torch backend's quantizer; "
+            f"choose one of {', '.join(SCHEMES)}"
+        )
+    ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
+    config_path = ckpt_dir / "config.json"
+    if not config_path.is_file():
+        raise MissingArtifactError(f"{config_path} not found: the convert stage has not run")
+    pretrained = json.loads(config_path.read_text())
+    scheme = SCHEMES[q.mode]
+    group_size = q.group_size if scheme == "int4" else None
+
+    tensors = load_file(str(ckpt_dir / WEIGHTS_FILE))
+    prefixes = [
+        f"transformer.layers.{i}.{name}" for i in range(pretrained["num_hidden_layers"]) for name in LAYER_LINEARS
+    ]
+    if q.quantize_lm_head:
+        prefixes.append("lm_head")
+    dense_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    for prefix in prefixes:
+        weight = tensors.pop(f"{prefix}.weight")
+        bias = tensors.pop(f"{prefix}.bias", None)
+        layer = QuantLinear.from_float(weight.to(torch.float32), bias, scheme=scheme, group_size=group_size)
+        for key, value in layer.state_tensors().items():
+            tensors[f"{prefix}.{key}"] = value.contiguous()
+    quant_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / WEIGHTS_FILE))
+    pretrained["quantization"] = {
+        **pretrained.get("quantization", {}),
+        "quant_algo": q.quant_algo,
+        "kv_cache_quant_algo": q.kv_cache_quant_algo,
+        "group_size": q.group_size,
+        "has_zero_point": scheme == "int4",
+        "pre_quant_scale": False,
+        "exclude_modules": None if q.quantize_lm_head else ["lm_head"],
+    }
+    (out_dir / "config.json").write_text(json.dumps(pretrained, indent=2) + "\n")
+    if (ckpt_dir / TOKENIZER_DIR).is_dir():
+        shutil.copytree(ckpt_dir / TOKENIZER_DIR, out_dir / TOKENIZER_DIR)
+    return {
+        "quant_algo": q.quant_algo,
+        "group_size": group_size,
+        "quantized_layers": len(prefixes),
+        "weights_bytes_before": dense_bytes,
+        "weights_bytes_after": quant_bytes,
+        "seconds": round(time.perf_counter() - started, 2),
+    }
