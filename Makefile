@@ -58,6 +58,9 @@ bench: install  ## engine (issue 3) + peer comparison (issue 7) -> benchmarks/re
 	$(PY) scripts/bench_engine.py --out benchmarks/results $(BENCH_ARGS)
 	$(PY) scripts/bench_peers.py --out benchmarks/results $(BENCH_ARGS)
 
+soak: install  ## 20 minutes of mixed traffic against the served tiny model
+	$(PY) scripts/soak.py --minutes 20
+
 tiny-model: install  ## the tiny random Llama used by build_configs/tiny-llama.yaml
 	$(PY) scripts/make_tiny_model.py build/tiny-llama-hf
 

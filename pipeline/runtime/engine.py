@@ -16,6 +16,7 @@ from pipeline.runtime.outputs import RequestOutput, RunnerOutput, ScheduledReque
 from pipeline.runtime.request import Request, RequestStatus
 from pipeline.runtime.sampling_params import SamplingParams
 from pipeline.runtime.scheduler import Scheduler, SchedulerConfig
+from pipeline.runtime.spec_decode.proposer import Proposer
 
 logger = logging.getLogger(__name__)
 
@@ -33,9 +34,10 @@ class Runner(Protocol):
 
 
 class LLMEngine:
-    def __init__(self, runner: Runner, config: SchedulerConfig) -> None:
+    def __init__(self, runner: Runner, config: SchedulerConfig, proposer: Proposer | None = None) -> None:
         self.runner = runner
         self.config = config
+        self.proposer = proposer  # speculative decoding: drafts for the running requests before each step
         self.scheduler = Scheduler(config, runner.num_kv_blocks, runner.tokens_per_block)
         self._generate_ids = itertools.count()
 
@@ -62,6 +64,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; the outputs of requests that got tokens or finished."""
+        if self.proposer is not None:
+            self.proposer.propose(self.scheduler.running)
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             if self.scheduler.has_unfinished():
@@ -139,12 +143,15 @@ class LLMEngine:
         """Load an engine directory: the model runner plus a scheduler set from its build limits and
         runtime defaults.
 
-        `overrides` may name SchedulerConfig fields (limits no higher than the engine was built for) and
-        ModelRunner keywords (device, kv_max_tokens, kv_free_memory_fraction, num_threads, ...).
+        `overrides` may name SchedulerConfig fields (limits no higher than the engine was built for),
+        ModelRunner keywords (device, kv_max_tokens, kv_free_memory_fraction, num_threads, ...) and
+        speculative-decoding options (spec_decode.factory.SPEC_OPTIONS, e.g. speculative_mode="none").
         """
         from pipeline.runtime.engine_config import load_engine_config
         from pipeline.runtime.model_runner import ModelRunner
+        from pipeline.runtime.spec_decode.factory import SPEC_OPTIONS, make_proposer
 
+        _verify_engine_files(Path(engine_dir))
         engine_config = load_engine_config(engine_dir)
         build, runtime = engine_config.build, engine_config.runtime
         limits = {
@@ -161,13 +168,14 @@ class LLMEngine:
             "enable_block_reuse": runtime.enable_block_reuse,
         }
         values.update({k: v for k, v in overrides.items() if k in scheduler_fields})
-        runner_kwargs = {k: v for k, v in overrides.items() if k not in scheduler_fields}
+        spec_options = {k: v for k, v in overrides.items() if k in SPEC_OPTIONS}
+        runner_kwargs = {k: v for k, v in overrides.items() if k not in scheduler_fields | set(SPEC_OPTIONS)}
         accepted = set(inspect.signature(ModelRunner).parameters) - {"engine_config"}
         unknown = sorted(set(runner_kwargs) - accepted)
         if unknown:
             raise ConfigError(
                 f"unknown engine option(s) {', '.join(unknown)}; "
-                f"valid: {', '.join(sorted(scheduler_fields | accepted))}"
+                f"valid: {', '.join(sorted(scheduler_fields | accepted | set(SPEC_OPTIONS)))}"
             )
         for name, built in limits.items():
             if values[name] > built:
@@ -179,4 +187,15 @@ class LLMEngine:
             config = SchedulerConfig(**values)
         except ValueError as err:
             raise ConfigError(f"{engine_dir}: {err}") from None
-        return cls(ModelRunner(engine_config, **runner_kwargs), config)
+        runner = ModelRunner(engine_config, **runner_kwargs)
+        return cls(runner, config, make_proposer(engine_config, runner, **spec_options))
+
+
+def _verify_engine_files(engine_dir: Path) -> None:
+    """An engine stage's output carries a manifest: refuse truncated or altered weights before loading them
+    (IntegrityError naming the file). Engine folders made outside the stages have none and load as they are."""
+    from pipeline.artifacts import read_manifest, verify_files
+
+    manifest = read_manifest(engine_dir)
+    if manifest is not None:
+        verify_files(engine_dir, manifest)

@@ -21,7 +21,7 @@ import string
 from pathlib import Path
 from typing import Any
 
-from pipeline.artifacts import link_tree
+from pipeline.artifacts import MANIFEST_NAME, link_tree
 from pipeline.config import BuildConfig
 from pipeline.errors import ConfigError, MissingArtifactError
 from pipeline.serving.pbtxt import check_ensemble, parse_model_config
@@ -196,6 +196,11 @@ def render_model_repository(
             shutil.copyfile(shim, version / "model.py")  # a copy: the stub writes __pycache__ beside it
     if carries_engine:
         link_tree(engine_dir, out_dir / "tensorrt_llm" / "1" / ENGINE_SUBDIR)
+        # The engine stage's checksums travel with it: the server verifies the weights before loading.
+        if (engine_dir / MANIFEST_NAME).is_file():
+            shutil.copyfile(
+                engine_dir / MANIFEST_NAME, out_dir / "tensorrt_llm" / "1" / ENGINE_SUBDIR / MANIFEST_NAME
+            )
     for model in TOKENIZER_MODELS:
         link_tree(engine_dir / TOKENIZER_SUBDIR, out_dir / model / "1" / TOKENIZER_SUBDIR)
     return {

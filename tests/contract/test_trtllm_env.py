@@ -34,7 +34,7 @@ def test_doctor_here_reports_torch_available_and_trtllm_not_with_the_reason() ->
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
     assert report["backends"]["torch"]["available"] is True
-    assert "int4_awq" in report["backends"]["torch"]["quant_modes"]
+    assert "int4_wo" in report["backends"]["torch"]["quant_modes"]
     trtllm = report["backends"]["trtllm"]
     assert trtllm["available"] is False
     assert "pip install llmpipe[trtllm]" in trtllm["reason"] and "nvidia-smi not found" in trtllm["reason"]
