@@ -191,7 +191,15 @@ def link_or_copy(src: Path, dst: Path) -> None:
 
 
 def link_tree(src: Path, dst: Path) -> None:
+    """Mirror `src` into `dst`. A symlink whose target lies outside `src` is refused: packaging must not
+    carry files from elsewhere on the machine into an artifact (a served repository, say)."""
+    root = src.resolve()
     for path in sorted(src.rglob("*")):
+        if path.is_symlink() and not path.resolve().is_relative_to(root):
+            raise IntegrityError(
+                f"{path} is a symlink to {path.resolve()}, outside {root}",
+                hint="Replace the link with the file itself.",
+            )
         if path.is_file() and path.name != MANIFEST_NAME and "__pycache__" not in path.parts:
             link_or_copy(path, dst / path.relative_to(src))
 

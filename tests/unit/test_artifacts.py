@@ -105,3 +105,20 @@ def test_sigkill_mid_write_leaves_nothing_trusted(tmp_path: Path) -> None:
     assert leftovers, "the temporary folder is where the partial write went"
     write_atomically(out, _produce)
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("stage")) == ["stage"]
+
+
+def test_link_tree_refuses_symlinks_that_escape(tmp_path: Path) -> None:
+    from pipeline.artifacts import link_tree
+
+    src = tmp_path / "src"
+    (src / "tokenizer").mkdir(parents=True)
+    (src / "tokenizer" / "vocab.json").write_text("{}")
+    (src / "alias.json").symlink_to(src / "tokenizer" / "vocab.json")
+    link_tree(src, tmp_path / "ok")
+    assert (tmp_path / "ok" / "alias.json").read_text() == "{}"
+
+    secret = tmp_path / "secret.txt"
+    secret.write_text("do not ship")
+    (src / "tokenizer" / "merges.txt").symlink_to(secret)
+    with pytest.raises(IntegrityError, match="outside"):
+        link_tree(src, tmp_path / "bad")
