@@ -78,6 +78,17 @@ class PluginConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """`build_config.speculative_config`: how the torch runtime drafts (the mode and the draft length are
+    `speculative_decoding_mode` and `max_draft_len`)."""
+
+    ngram_min_match: int = 1  # prompt lookup: shortest suffix looked up in prompt + output
+    ngram_max_match: int = 3  # longest suffix looked up
+    adaptive: bool = True  # per-request draft length: shrink on rejection, grow on acceptance
+    draft_engine_dir: str | None = None  # draft_tokens_external: the draft model's engine directory
+
+
+@dataclass(frozen=True)
 class BuildLimits:
     """`build_config`: the limits the engine was built for (trtllm-build's flags)."""
 
@@ -90,6 +101,7 @@ class BuildLimits:
     max_draft_len: int = 0
     speculative_decoding_mode: str | None = None
     plugin_config: PluginConfig = field(default_factory=PluginConfig)
+    speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
 
 @dataclass(frozen=True)
@@ -173,6 +185,11 @@ def engine_config_from_dict(data: dict[str, Any], origin: str = "config.json") -
             **build,
             "plugin_config": _make(
                 PluginConfig, build.get("plugin_config") or {}, f"{origin}: build_config.plugin_config"
+            ),
+            "speculative_config": _make(
+                SpeculativeConfig,
+                build.get("speculative_config") or {},
+                f"{origin}: build_config.speculative_config",
             ),
         },
         f"{origin}: build_config",
@@ -289,6 +306,12 @@ def validate_engine_config(config: EngineConfig, origin: str = "config.json") ->
             "pretrained_config.norm_epsilon",
             m.norm_epsilon,
             "> 0",
+        ),
+        (
+            1 <= b.speculative_config.ngram_min_match <= b.speculative_config.ngram_max_match,
+            "build_config.speculative_config.ngram_min_match",
+            b.speculative_config.ngram_min_match,
+            f"in 1..ngram_max_match ({b.speculative_config.ngram_max_match})",
         ),
         (
             r.kv_max_tokens is None or r.kv_max_tokens > 0,

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pipeline
-from pipeline.config import BuildConfig
+from pipeline.config import BuildConfig, load_build_config, resolve_workdir
 from pipeline.errors import ConfigError, MissingArtifactError
 from pipeline.runtime.engine_config import (
     TOKENIZER_DIR,
@@ -21,6 +21,7 @@ from pipeline.runtime.engine_config import (
     EngineConfig,
     PluginConfig,
     RuntimeDefaults,
+    SpeculativeConfig,
     engine_config_from_dict,
     write_engine_config,
 )
@@ -54,7 +55,13 @@ def build(cfg: BuildConfig, ckpt_dir: Path, out_dir: Path) -> dict[str, Any]:
         version=pipeline.__version__,
         backend="torch",
         model=model,
-        build=BuildLimits(**{**_build_limits(cfg), "plugin_config": PluginConfig(**_plugin_config(cfg))}),
+        build=BuildLimits(
+            **{
+                **_build_limits(cfg),
+                "plugin_config": PluginConfig(**_plugin_config(cfg)),
+                "speculative_config": SpeculativeConfig(**_speculative_config(cfg)),
+            }
+        ),
         runtime=RuntimeDefaults(
             kv_max_tokens=cfg.kv_cache.max_tokens,
             kv_free_memory_fraction=cfg.kv_cache.free_memory_fraction,
@@ -122,7 +129,30 @@ def _build_limits(cfg: BuildConfig) -> dict[str, Any]:
         "max_draft_len": spec.max_draft_len if spec.mode != "none" else 0,
         "speculative_decoding_mode": SPECULATIVE_MODES[spec.mode],
         "plugin_config": _plugin_config(cfg),
+        "speculative_config": _speculative_config(cfg),
     }
+
+
+def _speculative_config(cfg: BuildConfig) -> dict[str, Any]:
+    spec = cfg.speculative
+    return {
+        "ngram_min_match": spec.ngram.min_match,
+        "ngram_max_match": spec.ngram.max_match,
+        "adaptive": spec.adaptive,
+        "draft_engine_dir": _draft_engine_dir(spec.draft_config) if spec.mode == "draft_model" else None,
+    }
+
+
+def _draft_engine_dir(draft_config: str | None) -> str:
+    """The engine directory the draft model's build config produces; it must be built first."""
+    assert draft_config is not None  # the config validator requires it for mode=draft_model
+    engine_dir = (resolve_workdir(load_build_config(draft_config)) / "engine").resolve()
+    if not (engine_dir / "config.json").is_file():
+        raise MissingArtifactError(
+            f"speculative.draft_config={draft_config} has no engine at {engine_dir}",
+            hint=f"build the draft model first: llmpipe build {draft_config}",
+        )
+    return str(engine_dir)
 
 
 def _plugin_config(cfg: BuildConfig) -> dict[str, Any]:

@@ -1,0 +1,285 @@
+"""Issue 9's speculative-decoding benchmark (a benchmark, not a timed test): single-request decode speed
+of the torch engine with and without prompt lookup (NgramProposer) on SmolLM2-135M, on three workloads:
+
+  copy      "edit this code" prompts over Python standard-library functions: the answer mostly copies the
+            prompt (where prompt lookup shines), greedy;
+  chat      open-ended questions from the shipped prompt set, greedy (drafts come only from the model
+            repeating itself);
+  sampled   the same questions sampled at temperature 1 (seeded): drafts are mostly rejected, which is what
+            adaptive draft length must keep cheap.
+
+The two settings are two engines over the same engine directory that decode each prompt side by side,
+one step each in turn, so the background load of a shared machine hits both sides of every ratio alike. Reports decode tokens/s
+(output tokens after the first, over the time after the first), their ratio, the acceptance rate and the
+accepted tokens per decode step, and checks that every output is identical with speculation on and off.
+
+    python scripts/bench_spec.py                      # all workloads, 1 thread
+    python scripts/bench_spec.py --workloads copy --prompts 4 --max-tokens 96   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import json
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pipeline  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads)
+from pipeline.bench.builds import ensure_built
+from pipeline.bench.report import load_1m
+from pipeline.bench.workloads import shipped_prompts
+from pipeline.errors import PipelineError
+from pipeline.runtime.engine import LLMEngine
+from pipeline.runtime.sampling_params import SamplingParams
+from pipeline.runtime.spec_decode.metrics import spec_decode_stats
+
+# Pure-Python standard-library functions (module, qualified name): real code of 10-40 lines to edit.
+CODE_SOURCES = (
+    ("textwrap", "dedent"),
+    ("textwrap", "indent"),
+    ("textwrap", "TextWrapper._split"),
+    ("textwrap", "TextWrapper._fix_sentence_endings"),
+    ("shutil", "copyfileobj"),
+    ("random", "Random.shuffle"),
+    ("string", "capwords"),
+    ("calendar", "monthrange"),
+    ("base64", "b64encode"),
+    ("contextlib", "contextmanager"),
+    ("argparse", "_ActionsContainer._get_positional_kwargs"),
+    ("dataclasses", "_tuple_str"),
+)
+EDITS = (
+    "Add type hints to this Python function. Reply with the complete function only.",
+    "Rename this function to `{name}_v2` and keep everything else unchanged. Reply with the code only.",
+    "Add a short comment above each block of this function. Reply with the complete function.",
+)
+
+
+@dataclass
+class Case:
+    workload: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class Side:
+    """One setting's totals over a workload."""
+
+    num_decode_tokens: int = 0
+    decode_seconds: float = 0.0
+    num_draft_tokens: int = 0
+    num_accepted: int = 0
+    num_decode_steps: int = 0
+    ratios: list[float] = field(default_factory=list)  # per prompt, on/off decode speed
+
+    @property
+    def tok_s(self) -> float:
+        return self.num_decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--config", default="build_configs/smollm2-135m.yaml", help="build config of the engine"
+    )
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--workloads", default="copy,chat,sampled")
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per workload")
+    parser.add_argument("--max-tokens", type=int, default=192)
+    parser.add_argument("--max-draft-len", type=int, default=6)
+    parser.add_argument("--min-match", type=int, default=2)
+    parser.add_argument("--max-match", type=int, default=5)
+    parser.add_argument("--no-adaptive", action="store_true", help="fixed draft length")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="CPU threads (1 suits a loaded 2-core machine)"
+    )
+    parser.add_argument("--kv-tokens", type=int, default=8192, help="KV cache size of each engine")
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    return parser.parse_args(argv)
+
+
+def chat_ids(tokenizer: Any, text: str) -> list[int]:
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+    )
+    return list(tokenizer.encode(rendered, add_special_tokens=False))
+
+
+def code_snippets(count: int) -> list[tuple[str, str]]:
+    """(function name, source) of the first `count` CODE_SOURCES."""
+    import importlib
+
+    snippets = []
+    for module_name, qualname in CODE_SOURCES[:count]:
+        obj: Any = importlib.import_module(module_name)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+        snippets.append((qualname.rsplit(".", 1)[-1], inspect.cleandoc("\n" + inspect.getsource(obj))))
+    return snippets
+
+
+def build_cases(tokenizer: Any, workloads: list[str], num_prompts: int, max_tokens: int) -> list[Case]:
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, end_id=tokenizer.eos_token_id)
+    cases = []
+    if "copy" in workloads:
+        for i, (name, source) in enumerate(code_snippets(num_prompts)):
+            edit = EDITS[i % len(EDITS)].format(name=name)
+            cases.append(Case("copy", chat_ids(tokenizer, f"{edit}\n```python\n{source}\n```"), greedy))
+    questions = [r.prompt or "" for r in shipped_prompts()[:num_prompts]]
+    if "chat" in workloads:
+        cases += [Case("chat", chat_ids(tokenizer, q), greedy) for q in questions]
+    if "sampled" in workloads:
+        cases += [
+            Case("sampled", chat_ids(tokenizer, q), dataclasses.replace(greedy, temperature=1.0, seed=i))
+            for i, q in enumerate(questions)
+        ]
+    return cases
+
+
+def run_side_by_side(engines: dict[str, LLMEngine], case: Case, index: int) -> dict[str, tuple[Any, float]]:
+    """Run the case on every engine at once, one step each in turn (alternating the order), so that load
+    changes on any time scale longer than a step hit all engines alike. Per engine: (request, seconds spent
+    in its steps after the first output token)."""
+    requests = {
+        label: e.add_request(f"{label}-{index}", case.prompt_ids, case.params) for label, e in engines.items()
+    }
+    seconds = dict.fromkeys(engines, 0.0)
+    order = list(engines)
+    while not all(r.status.finished for r in requests.values()):
+        order.reverse()
+        for label in order:
+            request = requests[label]
+            if request.status.finished:
+                continue
+            decoding = request.num_output_tokens > 0
+            start = time.perf_counter()
+            engines[label].step()
+            if decoding:
+                seconds[label] += time.perf_counter() - start
+    return {label: (requests[label], seconds[label]) for label in engines}
+
+
+def measure(engines: dict[str, LLMEngine], cases: list[Case]) -> dict[str, dict[str, Side]]:
+    results: dict[str, dict[str, Side]] = {}
+    for i, case in enumerate(cases):
+        sides = results.setdefault(case.workload, {label: Side() for label in engines})
+        runs = run_side_by_side(engines, case, i)
+        if runs["off"][0].output_token_ids != runs["on"][0].output_token_ids:
+            raise RuntimeError(f"{case.workload} prompt {i}: output differs with speculation on")
+        speeds = {}
+        for label, (request, seconds) in runs.items():
+            side = sides[label]
+            num_decoded = request.num_output_tokens - 1
+            side.num_decode_tokens += num_decoded
+            side.decode_seconds += seconds
+            speeds[label] = num_decoded / seconds if seconds else 0.0
+            stats = spec_decode_stats(request.stats, request.num_output_tokens)
+            side.num_draft_tokens += stats.num_draft_tokens
+            side.num_accepted += stats.num_accepted_draft_tokens
+            side.num_decode_steps += stats.num_decode_steps
+        if speeds["off"]:
+            sides["on"].ratios.append(speeds["on"] / speeds["off"])
+        print(
+            f"[{case.workload} {i}] {runs['on'][0].num_output_tokens} tokens: off {speeds['off']:.1f} tok/s, "
+            f"on {speeds['on']:.1f} tok/s",
+            file=sys.stderr,
+        )
+    return results
+
+
+COLUMNS = (
+    ("workload", "workload"),
+    ("prompts", "prompts"),
+    ("output_tokens", "output tokens"),
+    ("tok_s_off", "decode tok/s off"),
+    ("tok_s_on", "decode tok/s prompt lookup"),
+    ("ratio", "ratio on/off"),
+    ("median_ratio", "median per-prompt ratio"),
+    ("acceptance_rate", "acceptance rate"),
+    ("accepted_per_step", "accepted tokens/step"),
+    ("drafts_per_step", "drafts/step"),
+)
+
+
+def summarize(results: dict[str, dict[str, Side]]) -> list[dict[str, Any]]:
+    rows = []
+    for workload, sides in results.items():
+        off, on = sides["off"], sides["on"]
+        ratios = sorted(on.ratios)
+        steps = on.num_decode_steps
+        rows.append(
+            {
+                "workload": workload,
+                "prompts": len(ratios),
+                "output_tokens": off.num_decode_tokens + len(ratios),
+                "tok_s_off": round(off.tok_s, 2),
+                "tok_s_on": round(on.tok_s, 2),
+                "ratio": round(on.tok_s / off.tok_s, 3) if off.tok_s else None,
+                "median_ratio": round(ratios[len(ratios) // 2], 3) if ratios else None,
+                "acceptance_rate": round(on.num_accepted / on.num_draft_tokens, 3)
+                if on.num_draft_tokens
+                else None,
+                "accepted_per_step": round(on.num_accepted / steps, 3) if steps else None,
+                "drafts_per_step": round(on.num_draft_tokens / steps, 3) if steps else None,
+            }
+        )
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    lines = ["| " + " | ".join(h for _, h in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join("-" if r[k] is None else str(r[k]) for k, _ in COLUMNS) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    command = "python scripts/bench_spec.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    build = ensure_built(args.config, args.overrides, until="engine")
+    assert build.engine_dir is not None
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(build.hf_dir)
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    cases = build_cases(tokenizer, workloads, args.prompts, args.max_tokens)
+    # Two engines, each with its own KV cache (and weights): both hold a live request at once.
+    common = {"num_threads": args.threads, "kv_max_tokens": args.kv_tokens}
+    engines = {
+        "off": LLMEngine.from_engine_dir(build.engine_dir, speculative_mode="none", **common),
+        "on": LLMEngine.from_engine_dir(
+            build.engine_dir,
+            speculative_mode="ngram",
+            max_draft_len=args.max_draft_len,
+            ngram_min_match=args.min_match,
+            ngram_max_match=args.max_match,
+            speculative_adaptive=not args.no_adaptive,
+            **common,
+        ),
+    }
+    run_side_by_side(engines, build_cases(tokenizer, ["chat"], 1, 8)[0], -1)  # warm-up
+    load = load_1m()
+    results = measure(engines, cases)
+    rows = summarize(results)
+    print(f"\n{command}\nload avg (1 min) at start: {load}, threads: {args.threads}\n")
+    print(markdown(rows))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"command": command, "load_1m": load, "rows": rows}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except PipelineError as err:
+        print(f"error: {err}" + (f"\nhint: {err.hint}" if err.hint else ""), file=sys.stderr)
+        sys.exit(1)
