@@ -51,8 +51,12 @@ class Manifest:
     def digest(self) -> str:
         """Identity of this output: changes whenever its config, inputs or any file changes."""
         payload = json.dumps(
-            {"stage": self.stage, "config": self.config_hash, "inputs": self.inputs,
-             "files": [asdict(f) for f in self.files]},
+            {
+                "stage": self.stage,
+                "config": self.config_hash,
+                "inputs": self.inputs,
+                "files": [asdict(f) for f in self.files],
+            },
             sort_keys=True,
         )
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
@@ -95,7 +99,8 @@ def require_manifest(stage_dir: Path, stage: str) -> Manifest:
     manifest = read_manifest(stage_dir)
     if manifest is None:
         raise MissingArtifactError(
-            f"no {stage} output at {stage_dir}", hint=f"Run `llmpipe {stage} CONFIG` (or `llmpipe build CONFIG`) first."
+            f"no {stage} output at {stage_dir}",
+            hint=f"Run `llmpipe {stage} CONFIG` (or `llmpipe build CONFIG`) first.",
         )
     return manifest
 
@@ -110,16 +115,20 @@ def verify_files(stage_dir: Path, manifest: Manifest, extra_roots: dict[str, Pat
                 root, rel = other, rel[len(prefix) + 1 :]
         path = root / rel
         if not path.is_file():
-            raise IntegrityError(f"{path} is missing (listed in {stage_dir / MANIFEST_NAME})",
-                                 hint="Rerun the stage with --force.")
+            raise IntegrityError(
+                f"{path} is missing (listed in {stage_dir / MANIFEST_NAME})",
+                hint="Rerun the stage with --force.",
+            )
         if path.stat().st_size != entry.size:
             raise IntegrityError(
                 f"{path} is {path.stat().st_size} bytes, manifest says {entry.size}: truncated or replaced",
                 hint="Rerun the stage with --force.",
             )
         if sha256_file(path) != entry.sha256:
-            raise IntegrityError(f"{path} does not match its sha256 in the manifest: it was modified",
-                                 hint="Rerun the stage with --force.")
+            raise IntegrityError(
+                f"{path} does not match its sha256 in the manifest: it was modified",
+                hint="Rerun the stage with --force.",
+            )
 
 
 def is_fresh(stage_dir: Path, config_hash: str, inputs: dict[str, str]) -> Manifest | None:

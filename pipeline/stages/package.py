@@ -18,8 +18,10 @@ def produce(cfg: BuildConfig, inputs: dict[str, StageInput], out: Path) -> dict[
 def describe(cfg: BuildConfig, out: Path) -> list[str]:
     s = cfg.serving
     backend = "tensorrtllm" if cfg.backend == "trtllm" else "python"
-    return [f"render model repository -> {out}: ensemble, preprocessing, tensorrt_llm (backend {backend}, "
-            f"decoupled {str(s.decoupled).lower()}), postprocessing, tensorrt_llm_bls"]
+    return [
+        f"render model repository -> {out}: ensemble, preprocessing, tensorrt_llm (backend {backend}, "
+        f"decoupled {str(s.decoupled).lower()}), postprocessing, tensorrt_llm_bls"
+    ]
 
 
 SPEC = StageSpec(

@@ -29,8 +29,10 @@ def describe(cfg: BuildConfig, out: Path) -> list[str]:
     q = cfg.quantization
     if q.mode == "none" and q.kv_cache_dtype == "auto":
         return [f"no quantization: hardlink the checkpoint into {out}"]
-    return [f"{cfg.backend}: quantize {q.mode} (quant_algo {q.quant_algo}, group {q.group_size}, "
-            f"kv {q.kv_cache_dtype}) -> {out}"]
+    return [
+        f"{cfg.backend}: quantize {q.mode} (quant_algo {q.quant_algo}, group {q.group_size}, "
+        f"kv {q.kv_cache_dtype}) -> {out}"
+    ]
 
 
 SPEC = StageSpec(

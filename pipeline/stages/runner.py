@@ -77,9 +77,7 @@ def run_stage(
         files = list_files(tmp)
         external = facts.get("external_root")
         if external:
-            files += [
-                FileEntry(f"@external/{e.path}", e.size, e.sha256) for e in list_files(Path(external))
-            ]
+            files += [FileEntry(f"@external/{e.path}", e.size, e.sha256) for e in list_files(Path(external))]
         extra_tools = tuple(facts.pop("tool_packages", ()))
         return Manifest(
             stage=spec.name,

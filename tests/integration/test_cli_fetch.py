@@ -59,7 +59,10 @@ def test_tampered_source_is_detected_on_reuse(tmp_path: Path, tiny_llama_dir: Pa
     [
         ({"kind": "local", "path": "/nonexistent/model"}, "/nonexistent/model"),
         ({"kind": "gguf", "path": "missing.gguf"}, "GGUF file not found"),
-        ({"kind": "gguf", "package": "no_such_pkg_xyz", "path": "m.gguf"}, "source.package=no_such_pkg_xyz is not installed"),
+        (
+            {"kind": "gguf", "package": "no_such_pkg_xyz", "path": "m.gguf"},
+            "source.package=no_such_pkg_xyz is not installed",
+        ),
         ({"kind": "hub", "repo_id": "org/model", "revision": "0" * 40}, "org/model"),
     ],
 )

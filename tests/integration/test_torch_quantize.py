@@ -21,21 +21,32 @@ LINEARS = ("attention.qkv", "attention.dense", "mlp.gate_up", "mlp.proj")
 
 def _build(tmp: Path, hf_dir: Path, mode: str) -> Path:
     config = tmp / f"{mode}.yaml"
-    config.write_text(yaml.safe_dump({
-        "name": mode,
-        "source": {"kind": "local", "path": str(hf_dir)},
-        "workdir": str(tmp / mode),
-        "quantization": {"mode": mode, "group_size": 32},
-        "engine": {"max_batch_size": 4, "max_input_len": 64, "max_seq_len": 128, "max_num_tokens": 128},
-        "kv_cache": {"tokens_per_block": 16, "max_tokens": 1024},
-    }))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "name": mode,
+                "source": {"kind": "local", "path": str(hf_dir)},
+                "workdir": str(tmp / mode),
+                "quantization": {"mode": mode, "group_size": 32},
+                "engine": {
+                    "max_batch_size": 4,
+                    "max_input_len": 64,
+                    "max_seq_len": 128,
+                    "max_num_tokens": 128,
+                },
+                "kv_cache": {"tokens_per_block": 16, "max_tokens": 1024},
+            }
+        )
+    )
     result = CliRunner().invoke(cli, ["build", str(config), "--until", "engine"])
     assert result.exit_code == 0, result.output
     return tmp / mode
 
 
 @pytest.mark.parametrize(("mode", "algo"), [("int8_wo", "W8A16"), ("int4_wo", "W4A16")])
-def test_quantized_engine_is_packed_and_close_to_fp32(tmp_path: Path, tiny_llama_dir: Path, mode: str, algo: str) -> None:
+def test_quantized_engine_is_packed_and_close_to_fp32(
+    tmp_path: Path, tiny_llama_dir: Path, mode: str, algo: str
+) -> None:
     work = _build(tmp_path, tiny_llama_dir, mode)
     config = json.loads((work / "engine" / "config.json").read_text())
     assert config["pretrained_config"]["quantization"]["quant_algo"] == algo
@@ -50,9 +61,17 @@ def test_quantized_engine_is_packed_and_close_to_fp32(tmp_path: Path, tiny_llama
             restored = QuantLinear.from_packed(parts, scheme, group).dequantize()
             original = dense[f"{prefix}.weight"]
             # round-to-nearest: error at most half a quantization step of the row (int8) / group (int4)
-            step = (original.abs().amax(dim=1, keepdim=True) / 127) if scheme == "int8" else (
-                (original.reshape(original.shape[0], -1, 32).amax(-1) - original.reshape(original.shape[0], -1, 32).amin(-1)) / 15
-            ).repeat_interleave(32, dim=1)
+            step = (
+                (original.abs().amax(dim=1, keepdim=True) / 127)
+                if scheme == "int8"
+                else (
+                    (
+                        original.reshape(original.shape[0], -1, 32).amax(-1)
+                        - original.reshape(original.shape[0], -1, 32).amin(-1)
+                    )
+                    / 15
+                ).repeat_interleave(32, dim=1)
+            )
             assert torch.all((restored - original).abs() <= step / 2 + 1e-6)
     assert "lm_head.weight" in packed, "lm_head stays dense unless quantization.quantize_lm_head"
 
@@ -63,6 +82,11 @@ def test_quantized_engine_is_packed_and_close_to_fp32(tmp_path: Path, tiny_llama
 
 def test_unsupported_torch_mode_is_a_config_error(tmp_path: Path) -> None:
     config = tmp_path / "c.yaml"
-    config.write_text(yaml.safe_dump({"source": {"kind": "local", "path": "/x"}, "quantization": {"mode": "int4_awq"}}))
+    config.write_text(
+        yaml.safe_dump({"source": {"kind": "local", "path": "/x"}, "quantization": {"mode": "int4_awq"}})
+    )
     result = CliRunner().invoke(cli, ["config", "validate", str(config)])
-    assert result.exit_code == 1 and "quantization.mode=int4_awq is not available on backend=torch" in result.output
+    assert (
+        result.exit_code == 1
+        and "quantization.mode=int4_awq is not available on backend=torch" in result.output
+    )

@@ -17,7 +17,9 @@ from pipeline.errors import IntegrityError
 
 
 def _manifest(tmp: Path, config_hash: str = "c1") -> Manifest:
-    return Manifest(stage="s", config_hash=config_hash, inputs={"a": "d1"}, files=list_files(tmp), tool_versions={})
+    return Manifest(
+        stage="s", config_hash=config_hash, inputs={"a": "d1"}, files=list_files(tmp), tool_versions={}
+    )
 
 
 def _produce(tmp: Path) -> Manifest:

@@ -31,27 +31,63 @@ BASE = {"name": "t", "source": {"kind": "local", "path": "/models/x"}}
 
 # (override as a nested patch, text the one-line error must contain)
 INVALID = [
-    ({"engine": {"max_input_len": 4096, "max_seq_len": 2048}}, "engine.max_input_len=4096 exceeds engine.max_seq_len=2048"),
-    ({"kv_cache": {"max_tokens": 1000}, "engine": {"max_seq_len": 2048}}, "kv_cache.max_tokens=1000 cannot hold one sequence"),
-    ({"kv_cache": {"use_paged_context_fmha": False, "enable_block_reuse": True}}, "kv_cache.enable_block_reuse=true needs kv_cache.use_paged_context_fmha=true"),
-    ({"kv_cache": {"use_paged_context_fmha": False}, "scheduler": {"enable_chunked_context": True}}, "scheduler.enable_chunked_context=true needs"),
+    (
+        {"engine": {"max_input_len": 4096, "max_seq_len": 2048}},
+        "engine.max_input_len=4096 exceeds engine.max_seq_len=2048",
+    ),
+    (
+        {"kv_cache": {"max_tokens": 1000}, "engine": {"max_seq_len": 2048}},
+        "kv_cache.max_tokens=1000 cannot hold one sequence",
+    ),
+    (
+        {"kv_cache": {"use_paged_context_fmha": False, "enable_block_reuse": True}},
+        "kv_cache.enable_block_reuse=true needs kv_cache.use_paged_context_fmha=true",
+    ),
+    (
+        {"kv_cache": {"use_paged_context_fmha": False}, "scheduler": {"enable_chunked_context": True}},
+        "scheduler.enable_chunked_context=true needs",
+    ),
     ({"quantization": {"mode": "fp8"}}, "quantization.mode=fp8 is not available on backend=torch"),
-    ({"quantization": {"kv_cache_dtype": "int8"}}, "quantization.kv_cache_dtype=int8 is not available on backend=torch"),
+    (
+        {"quantization": {"kv_cache_dtype": "int8"}},
+        "quantization.kv_cache_dtype=int8 is not available on backend=torch",
+    ),
     ({"parallel": {"tp_size": 2}}, "parallel.tp_size=2 pp_size=1: the torch backend runs on one device"),
-    ({"serving": {"decoupled": False, "streaming": True}}, "serving.streaming=true needs serving.decoupled=true"),
-    ({"engine": {"max_num_tokens": 256, "max_input_len": 1024}}, "engine.max_num_tokens=256 < engine.max_input_len=1024"),
-    ({"engine": {"max_num_tokens": 8, "max_batch_size": 16, "max_input_len": 8}, "scheduler": {"enable_chunked_context": True}}, "engine.max_num_tokens=8 < engine.max_batch_size=16"),
+    (
+        {"serving": {"decoupled": False, "streaming": True}},
+        "serving.streaming=true needs serving.decoupled=true",
+    ),
+    (
+        {"engine": {"max_num_tokens": 256, "max_input_len": 1024}},
+        "engine.max_num_tokens=256 < engine.max_input_len=1024",
+    ),
+    (
+        {
+            "engine": {"max_num_tokens": 8, "max_batch_size": 16, "max_input_len": 8},
+            "scheduler": {"enable_chunked_context": True},
+        },
+        "engine.max_num_tokens=8 < engine.max_batch_size=16",
+    ),
     ({"source": {"kind": "hub", "repo_id": "org/model", "path": None}}, "has no source.revision"),
     ({"source": {"kind": "hub", "path": None}}, "source.kind=hub needs source.repo_id"),
-    ({"quantization": {"mode": "int4_wo", "group_size": 100}}, "quantization.group_size=100 for mode=int4_wo must be 32, 64 or 128"),
+    (
+        {"quantization": {"mode": "int4_wo", "group_size": 100}},
+        "quantization.group_size=100 for mode=int4_wo must be 32, 64 or 128",
+    ),
     ({"speculative": {"mode": "draft_model"}}, "speculative.mode=draft_model needs speculative.draft_config"),
     ({"speculative": {"mode": "medusa"}}, "speculative.mode=medusa is a TensorRT-LLM mode"),
     ({"engine": {"max_beam_width": 4}}, "engine.max_beam_width=4: the torch backend has no beam search"),
-    ({"serving": {"triton_max_batch_size": 64}}, "serving.triton_max_batch_size=64 exceeds engine.max_batch_size=16"),
+    (
+        {"serving": {"triton_max_batch_size": 64}},
+        "serving.triton_max_batch_size=64 exceeds engine.max_batch_size=16",
+    ),
     ({"serving": {"http_port": 8001}}, "serving ports must differ"),
     ({"engine": {"max_batch_sise": 4}}, "engine.max_batch_sise: unknown field"),
     ({"quantization": {"mode": "int3"}}, "quantization.mode: Input should be"),
-    ({"kv_cache": {"free_memory_fraction": 1.5}}, "kv_cache.free_memory_fraction: Input should be less than or equal to 1"),
+    (
+        {"kv_cache": {"free_memory_fraction": 1.5}},
+        "kv_cache.free_memory_fraction: Input should be less than or equal to 1",
+    ),
     ({"name": "bad name!"}, "name: String should match pattern"),
 ]
 
@@ -59,7 +95,11 @@ INVALID = [
 def _merge(base: dict, patch: dict) -> dict:
     out = dict(base)
     for key, value in patch.items():
-        out[key] = _merge(out.get(key, {}), value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        out[key] = (
+            _merge(out.get(key, {}), value)
+            if isinstance(value, dict) and isinstance(out.get(key), dict)
+            else value
+        )
     return out
 
 
@@ -77,8 +117,14 @@ def test_invalid_config_gives_one_line_error(tmp_path: Path, patch: dict, expect
 
 def test_trtllm_accepts_what_torch_refuses(tmp_path: Path) -> None:
     cfg = BuildConfig.model_validate(
-        _merge(BASE, {"backend": "trtllm", "quantization": {"mode": "fp8", "kv_cache_dtype": "fp8"},
-                      "parallel": {"tp_size": 2}})
+        _merge(
+            BASE,
+            {
+                "backend": "trtllm",
+                "quantization": {"mode": "fp8", "kv_cache_dtype": "fp8"},
+                "parallel": {"tp_size": 2},
+            },
+        )
     )
     assert cfg.quantization.quant_algo == "FP8" and cfg.quantization.kv_cache_quant_algo == "FP8"
     assert cfg.parallel.world_size == 2

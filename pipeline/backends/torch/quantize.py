@@ -45,7 +45,9 @@ def quantize(cfg: BuildConfig, ckpt_dir: Path, out_dir: Path, hf_dir: Path | Non
 
     tensors = load_file(str(ckpt_dir / WEIGHTS_FILE))
     prefixes = [
-        f"transformer.layers.{i}.{name}" for i in range(pretrained["num_hidden_layers"]) for name in LAYER_LINEARS
+        f"transformer.layers.{i}.{name}"
+        for i in range(pretrained["num_hidden_layers"])
+        for name in LAYER_LINEARS
     ]
     if q.quantize_lm_head:
         prefixes.append("lm_head")
