@@ -17,10 +17,10 @@ from safetensors.torch import load_file, save_file
 from pipeline.config import BuildConfig
 from pipeline.errors import ConfigError, MissingArtifactError
 from pipeline.runtime.engine_config import TOKENIZER_DIR, WEIGHTS_FILE
-from pipeline.runtime.quant.linear import QuantLinear
+from pipeline.runtime.quant.linear import QuantLinear, Scheme
 
 # quantization.mode -> the QuantLinear scheme.
-SCHEMES = {"int8_wo": "int8", "int4_wo": "int4"}
+SCHEMES: dict[str, Scheme] = {"int8_wo": "int8", "int4_wo": "int4"}
 # The linear layers of each transformer block (runtime names, see checkpoint.LAYER_WEIGHTS).
 LAYER_LINEARS = ("attention.qkv", "attention.dense", "mlp.gate_up", "mlp.proj")
 
