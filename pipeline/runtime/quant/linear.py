@@ -8,7 +8,7 @@ rounding.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -23,9 +23,9 @@ SCHEMES: tuple[Scheme, ...] = ("int8", "int4")
 
 # Largest activation-row count sent to the kernels; above it, dequantize + torch matmul (MKL) is as fast or
 # faster. Measured with scripts/bench_quant_kernels.py on SmolLM2 shapes, 2 threads (benchmarks/NOTES.md):
-# the quantized kernels still lead at 128 rows (dequantizing a cold weight costs more than MKL saves), the
-# fp32 GEMV ties torch at 64 rows (576x1536) and loses at 128.
-MAX_KERNEL_ROWS: dict[str, int] = {"fp32": 32, "int8": 128, "int4": 128}
+# at 128 rows int8 still ties or leads, int4 already loses on 3 of the 4 layer shapes; the fp32 GEMV ties
+# torch at 64 rows on 576x1536 and loses at 128.
+MAX_KERNEL_ROWS: dict[str, int] = {"fp32": 32, "int8": 128, "int4": 64}
 
 
 class QuantLinear(torch.nn.Module):
@@ -98,7 +98,7 @@ class QuantLinear(torch.nn.Module):
     def dequantize(self) -> torch.Tensor:
         """The fp32 [out, in] weight both paths compute with."""
         # The compiled dequantizers return the primitives' exact values, several times faster.
-        native = self.qweight.device.type == "cpu" and kernels_available()
+        native = self.qweight.is_cpu and kernels_available()
         if self.scheme == "int8":
             fn8 = kernels.dequantize_int8 if native else primitives.dequantize_int8
             return fn8(self.qweight, self.scales)
@@ -108,17 +108,21 @@ class QuantLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] -> [..., out]
-        x2 = x.reshape(-1, self.in_features)  # [M, in]
-        if x2.shape[0] <= self.max_kernel_rows and _kernel_ok(x2):
+        if x.dim() != 2:
+            return self.forward(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
+        # NOTE: decode calls this ~120 times per step; reading buffers through nn.Module.__getattr__ costs
+        # ~1.4 us each, the _buffers dict ~0.06 us.
+        buffers: dict[str, Any] = self._buffers
+        if x.shape[0] <= self.max_kernel_rows and _kernel_ok(x):
             if self.scheme == "int8":
-                y = kernels.gemm_int8(x2, self.qweight, self.scales, self.bias)
-            else:
-                assert self.zeros is not None and self.group_size is not None
-                y = kernels.gemm_int4(x2, self.qweight, self.scales, self.zeros, self.group_size, self.bias)
-        else:
-            w = self.dequantize().to(x.dtype)
-            y = F.linear(x2, w, None if self.bias is None else self.bias.to(x.dtype))
-        return y.view(*x.shape[:-1], self.out_features)
+                return kernels.gemm_int8(x, buffers["qweight"], buffers["scales"], buffers["bias"])
+            group_size = self.group_size
+            assert group_size is not None
+            return kernels.gemm_int4(
+                x, buffers["qweight"], buffers["scales"], buffers["zeros"], group_size, buffers["bias"]
+            )
+        bias = buffers["bias"]
+        return F.linear(x, self.dequantize().to(x.dtype), None if bias is None else bias.to(x.dtype))
 
     def extra_repr(self) -> str:
         group = f", group_size={self.group_size}" if self.scheme == "int4" else ""
@@ -128,22 +132,24 @@ class QuantLinear(torch.nn.Module):
 
 
 def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, but few-row fp32 CPU inputs go to the hand GEMV (faster than torch's, e.g. for the lm_head).
-    `weight` [out, in] fp32 must be contiguous to take the kernel path."""
-    x2 = x.reshape(-1, x.shape[-1])
+    """F.linear, but fp32 CPU inputs of few rows go to the hand GEMV (faster than torch's, e.g. for the
+    lm_head). `weight` [out, in] fp32 must be contiguous to take the kernel path."""
     if (
-        x2.shape[0] <= MAX_KERNEL_ROWS["fp32"]
-        and _kernel_ok(x2)
+        x.dim() == 2
+        and x.shape[0] <= MAX_KERNEL_ROWS["fp32"]
+        and _kernel_ok(x)
         and weight.dtype == torch.float32
+        and weight.is_cpu
         and weight.is_contiguous()
-        and weight.device.type == "cpu"
     ):
-        return kernels.gemm_f32(x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
+        return kernels.gemm_f32(x, weight, bias)
+    if x.dim() > 2:  # the row count decides the path: flatten leading dims
+        return fp32_linear(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 
 
 def _kernel_ok(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.dtype == torch.float32 and kernels_available()
+    return x.is_cpu and x.dtype == torch.float32 and kernels_available()
 
 
 def _check_tensors(scheme: str, tensors: dict[str, torch.Tensor], group_size: int | None) -> None:

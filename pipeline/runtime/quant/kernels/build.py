@@ -1,13 +1,13 @@
-"""Compile qgemv.cpp on first use into a per-user cache and load it with ctypes.
+"""Compile the kernels on first use into a per-user cache and register them as torch ops (`llmpipe_quant`).
 
-The shared object is keyed by a hash of the source, the flags and the compiler name, so an edited kernel or a
-different compiler never picks up a stale build. Concurrent first uses (several test workers, Triton instances)
-are safe: each process compiles into its own temporary directory and atomically renames the result into place.
+The shared object is keyed by a hash of the sources, the compiler command and the torch version, so an edited
+kernel, another compiler or another torch never picks up a stale build. Concurrent first uses (test workers,
+several Triton model instances) are safe: each process compiles into its own temporary directory and atomically
+renames the result into place; the losers of the race overwrite it with an identical file.
 """
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import logging
 import os
@@ -16,19 +16,18 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
-# NOTE: torch must be loaded before the kernel library: the library's libgomp.so.1 then resolves to the copy
-# torch already mapped, so kernels and torch ops share one OpenMP thread team on two cores.
 import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("qgemv.cpp")
-ABI_VERSION = 1
-# AVX2 + FMA only: the project's machines have no AVX-512, and a cache directory may be shared across hosts.
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-exceptions")
-COMPILE_TIMEOUT_S = 300
+HERE = Path(__file__).parent
+SOURCES = (HERE / "qgemv.cpp", HERE / "torch_ops.cpp")
+# AVX2 + FMA only: the project's machines are not assumed to have AVX-512, and a cache may be shared by hosts.
+KERNEL_FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-std=c++20")
+COMPILE_TIMEOUT_S = 600
 DISABLE_ENV = "LLMPIPE_DISABLE_KERNELS"
 CACHE_ENV = "LLMPIPE_CACHE_DIR"
 
@@ -39,47 +38,68 @@ def cache_dir() -> Path:
     return (Path(root).expanduser() if root else Path.home() / ".cache" / "llmpipe") / "kernels"
 
 
-def load_library() -> tuple[ctypes.CDLL | None, str]:
-    """(library, "") when the kernels can run here, else (None, why not)."""
+def load_library() -> str:
+    """Build (once) and register the `torch.ops.llmpipe_quant` ops; returns "" on success, else why not."""
     if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
-        return None, f"disabled by {DISABLE_ENV}={os.environ[DISABLE_ENV]}"
-    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return None, f"the kernels are built for x86-64 Linux, this is {sys.platform}/{platform.machine()}"
+        return f"disabled by {DISABLE_ENV}={os.environ[DISABLE_ENV]}"
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        return f"the kernels are built for x86-64 Linux, this is {sys.platform}/{platform.machine()}"
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in ("AVX2", "AVX512"):
-        return None, f"the kernels need AVX2 + FMA; torch reports CPU capability {capability!r}"
+        return f"the kernels need AVX2 + FMA; torch reports CPU capability {capability!r}"
     compiler = os.environ.get("CXX", "g++")
     if shutil.which(compiler) is None:
-        return None, f"no C++ compiler {compiler!r} on PATH (install g++ or set CXX)"
+        return f"no C++ compiler {compiler!r} on PATH (install g++ or set CXX)"
     try:
-        path = _build(compiler)
-        lib = ctypes.CDLL(str(path))
-    except (OSError, subprocess.SubprocessError) as exc:
-        reason = f"building {SOURCE.name} failed: {exc}"
-        logger.warning("quantized CPU kernels unavailable, using dequantize + matmul: %s", reason)
-        return None, reason
-    if lib.llmp_abi_version() != ABI_VERSION:
-        return None, f"{path} reports ABI {lib.llmp_abi_version()}, expected {ABI_VERSION}"
-    return lib, ""
+        path = compile_cached(
+            "llmpipe_quant", SOURCES, [*KERNEL_FLAGS, *_torch_flags()], compiler, torch.__version__
+        )
+        # NOTE: torch is already loaded, so the library's libgomp.so.1 resolves to torch's copy: kernels and
+        # torch ops share one OpenMP thread team instead of two teams spinning on the same cores.
+        torch.ops.load_library(str(path))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        reason = f"building the quantized CPU kernels failed: {exc}"
+        logger.warning("%s; using dequantize + matmul instead", reason)
+        return reason
+    return ""
 
 
-def _build(compiler: str) -> Path:
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), compiler.encode()])).hexdigest()[:16]
-    target = cache_dir() / f"qgemv-{key}.so"
+def compile_cached(name: str, sources: Sequence[Path], args: Sequence[str], compiler: str, salt: str) -> Path:
+    """`<cache_dir>/<name>-<hash>.so` built from `sources` with `compiler *args`, compiling only if absent."""
+    digest = hashlib.sha256()
+    for part in [
+        *(p.read_bytes() for p in sources),
+        compiler.encode(),
+        *(a.encode() for a in args),
+        salt.encode(),
+    ]:
+        digest.update(hashlib.sha256(part).digest())
+    target = cache_dir() / f"{name}-{digest.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
         out = Path(tmp) / target.name
-        proc = subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", str(out)],
-            capture_output=True,
-            text=True,
-            timeout=COMPILE_TIMEOUT_S,
-        )
+        # Sources first: the linker resolves libraries left to right.
+        command = [compiler, *(str(p) for p in sources), *args, "-o", str(out)]
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
         if proc.returncode != 0:
-            tail = " | ".join(proc.stderr.strip().splitlines()[-5:])
-            raise OSError(f"{compiler} exited with {proc.returncode}: {tail}")
+            errors = [
+                line for line in proc.stderr.splitlines() if "error" in line
+            ] or proc.stderr.splitlines()
+            raise OSError(f"{compiler} exited with {proc.returncode}: {' | '.join(errors[:3])}")
         os.replace(out, target)
     return target
+
+
+def _torch_flags() -> list[str]:
+    root = Path(torch.__file__).parent
+    lib = root / "lib"
+    return [
+        f"-I{root / 'include'}",
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+        f"-L{lib}",
+        f"-Wl,-rpath,{lib}",
+        "-ltorch_cpu",
+        "-lc10",
+    ]

@@ -1,7 +1,8 @@
 // Weight-only quantized GEMV/skinny-GEMM for AVX2 + FMA CPUs: y[M, N] = x[M, K] @ dequant(W[N, K]).T + bias.
 //
-// Built by build.py with `-O3 -mavx2 -mfma -fopenmp` and called through ctypes on raw pointers. The layouts
-// are the on-disk ones documented in pipeline/runtime/quant/primitives.py:
+// Plain C entry points on raw pointers (torch_ops.cpp wraps them as torch ops; build.py compiles both with
+// `-O3 -mavx2 -mfma -fopenmp`). The layouts are the on-disk ones documented in
+// pipeline/runtime/quant/primitives.py:
 //   int8: w[N, K] int8, scales[N] fp32, W = w * scales[:, None]
 //   int4: w[N, K/2] uint8, byte j of a row = q[2j] | q[2j+1] << 4; scales/zeros[N, G] fp32 with
 //         G = ceil(K / group_size); W = (q - zeros) * scales, group by group along K.
@@ -288,8 +289,6 @@ void prepare_int4_activations(const Problem& p, int64_t gs, int64_t G, float* xp
 }  // namespace
 
 extern "C" {
-
-int llmp_abi_version() { return 1; }
 
 void llmp_gemm_f32(const float* x, int64_t M, int64_t K, int64_t ldx, const float* w, const float* bias,
                    float* y, int64_t N, int num_threads) {

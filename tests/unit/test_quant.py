@@ -1,0 +1,296 @@
+"""Weight-only quantization: round-trip bounds, the on-disk layout, kernels vs the dequantize + matmul path."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pipeline.runtime.quant import kernels, primitives
+from pipeline.runtime.quant.kernels.build import compile_cached
+from pipeline.runtime.quant.linear import QuantLinear, fp32_linear
+
+ROOT = Path(__file__).resolve().parents[2]
+needs_kernels = pytest.mark.skipif(
+    not kernels.kernels_available(), reason=f"kernels unavailable: {kernels.kernels_unavailable_reason()}"
+)
+INT4_CASES = [(32, 96), (64, 130), (64, 96), (128, 576)]  # (group_size, in): short last groups, in % 32 != 0
+
+
+def random_weight(out_f: int, in_f: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    # Rows of very different magnitude, as in real checkpoints, plus an all-zero row.
+    w = torch.randn(out_f, in_f, generator=gen) * torch.logspace(-3, 0, out_f)[:, None]
+    w[out_f // 2] = 0
+    return w
+
+
+def assert_close_rel(y: torch.Tensor, ref: torch.Tensor, rel: float = 1e-4) -> None:
+    err = (y - ref).abs().max().item()
+    assert err <= rel * ref.abs().max().item(), f"max abs error {err:.3g} vs max |ref| {ref.abs().max():.3g}"
+
+
+def test_int8_round_trip_within_half_a_step_per_row() -> None:
+    w = random_weight(37, 131)
+    qweight, scales = primitives.quantize_int8_per_channel(w)
+    assert qweight.dtype == torch.int8 and qweight.shape == (37, 131)
+    assert scales.dtype == torch.float32 and scales.shape == (37,)
+    assert qweight.abs().max() <= 127
+    err = (primitives.dequantize_int8(qweight, scales) - w).abs().amax(dim=1)
+    assert torch.all(err <= scales / 2 * (1 + 1e-5))
+    assert err[37 // 2] == 0  # the all-zero row decodes to zeros
+
+
+@pytest.mark.parametrize(("group_size", "in_f"), INT4_CASES)
+def test_int4_round_trip_within_half_a_step_per_group(group_size: int, in_f: int) -> None:
+    w = random_weight(19, in_f)
+    w[3, :group_size] = 0.25  # a constant group
+    packed, scales, zeros = primitives.quantize_int4_groupwise(w, group_size)
+    num_g = -(-in_f // group_size)
+    assert packed.dtype == torch.uint8 and packed.shape == (19, in_f // 2)
+    assert scales.shape == zeros.shape == (19, num_g)
+    deq = primitives.dequantize_int4(packed, scales, zeros, group_size)
+    bound = (scales / 2).repeat_interleave(group_size, dim=1)[:, :in_f]
+    assert torch.all((deq - w).abs() <= bound * (1 + 1e-5) + 1e-7)
+    assert torch.equal(deq[3, :group_size], w[3, :group_size])
+
+
+def test_int4_packing_layout_is_low_nibble_first() -> None:
+    # Row [1, 2, 3, 4, 15, 0]: byte j = q[2j] | q[2j + 1] << 4.
+    q = torch.tensor([[1, 2, 3, 4, 15, 0]], dtype=torch.uint8)
+    packed = primitives.pack_int4(q)
+    assert packed.tolist() == [[0x21, 0x43, 0x0F]]
+    assert torch.equal(primitives.unpack_int4(packed), q)
+
+
+def test_int4_reproduces_a_16_level_grid_exactly() -> None:
+    # A Q4_1-style block (min + q * step, min and max both present) survives requantization at group 32.
+    gen = torch.Generator().manual_seed(1)
+    levels = torch.randint(0, 16, (4, 32), generator=gen)
+    levels[:, 0], levels[:, 1] = 0, 15
+    w = -0.37 + levels.float() * 0.0123
+    packed, scales, zeros = primitives.quantize_int4_groupwise(w, 32)
+    assert torch.equal(primitives.unpack_int4(packed), levels.to(torch.uint8))
+    torch.testing.assert_close(primitives.dequantize_int4(packed, scales, zeros, 32), w, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("group_size", [0, 48, 100])
+def test_int4_rejects_group_sizes_the_kernels_cannot_walk(group_size: int) -> None:
+    with pytest.raises(ValueError, match="group_size"):
+        primitives.quantize_int4_groupwise(torch.zeros(4, 192), group_size)
+
+
+def test_int4_rejects_odd_in_features() -> None:
+    with pytest.raises(ValueError, match="even"):
+        primitives.quantize_int4_groupwise(torch.zeros(4, 65), 32)
+
+
+def test_kernels_build_on_x86_linux_with_a_compiler() -> None:
+    reason = kernels.kernels_unavailable_reason()
+    if "x86-64 Linux" in reason or "compiler" in reason or "LLMPIPE_DISABLE_KERNELS" in reason:
+        pytest.skip(reason)
+    assert kernels.kernels_available(), reason
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 3, 17])
+@pytest.mark.parametrize(("out_f", "in_f"), [(5, 7), (37, 131), (130, 576)])
+def test_int8_kernel_matches_dequantize_matmul(rows: int, out_f: int, in_f: int) -> None:
+    qweight, scales = primitives.quantize_int8_per_channel(random_weight(out_f, in_f))
+    x = torch.randn(rows, in_f)
+    bias = torch.randn(out_f)
+    ref = F.linear(x, primitives.dequantize_int8(qweight, scales), bias)
+    assert_close_rel(kernels.gemm_int8(x, qweight, scales, bias), ref)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 3, 17])
+@pytest.mark.parametrize(("group_size", "in_f"), INT4_CASES)
+def test_int4_kernel_matches_dequantize_matmul(rows: int, group_size: int, in_f: int) -> None:
+    out_f = 37
+    packed, scales, zeros = primitives.quantize_int4_groupwise(random_weight(out_f, in_f), group_size)
+    x = torch.randn(rows, in_f)
+    bias = torch.randn(out_f)
+    ref = F.linear(x, primitives.dequantize_int4(packed, scales, zeros, group_size), bias)
+    assert_close_rel(kernels.gemm_int4(x, packed, scales, zeros, group_size, bias), ref)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 3, 17])
+def test_fp32_kernel_matches_torch(rows: int) -> None:
+    w, x = random_weight(37, 131), torch.randn(rows, 131)
+    assert_close_rel(kernels.gemm_f32(x, w), F.linear(x, w))
+    assert_close_rel(fp32_linear(x, w), F.linear(x, w))
+
+
+@needs_kernels
+@pytest.mark.parametrize(("group_size", "in_f"), INT4_CASES)
+def test_compiled_dequantizers_are_bit_identical(group_size: int, in_f: int) -> None:
+    w = random_weight(37, in_f)
+    q8 = primitives.quantize_int8_per_channel(w)
+    assert torch.equal(kernels.dequantize_int8(*q8), primitives.dequantize_int8(*q8))
+    q4 = primitives.quantize_int4_groupwise(w, group_size)
+    assert torch.equal(kernels.dequantize_int4(*q4, group_size), primitives.dequantize_int4(*q4, group_size))
+
+
+@needs_kernels
+def test_kernels_reject_mismatched_arguments() -> None:
+    qweight, scales = primitives.quantize_int8_per_channel(random_weight(16, 64))
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="scales: expected"):
+        kernels.gemm_int8(x, qweight, scales[:-1])
+    with pytest.raises(RuntimeError, match="x: expected"):
+        kernels.gemm_int8(torch.randn(2, 63), qweight, scales)
+    with pytest.raises(RuntimeError, match="non-contiguous"):
+        kernels.gemm_int8(x, qweight.t().contiguous().t(), scales)
+    packed, scales4, zeros = primitives.quantize_int4_groupwise(random_weight(16, 64), 32)
+    with pytest.raises(RuntimeError, match="group_size must be 32 or a multiple of 64"):
+        kernels.gemm_int4(x, packed, scales4, zeros, 48)  # ceil(64 / 48) == 2 groups, like group 32
+
+
+@needs_kernels
+def test_kernels_read_strided_activation_rows() -> None:
+    # A column slice of a wider activation (row stride != in_features) is read in place.
+    wide = torch.randn(3, 200)
+    x = wide[:, 10:141]
+    qweight, scales = primitives.quantize_int8_per_channel(random_weight(16, 131))
+    ref = F.linear(x.contiguous(), primitives.dequantize_int8(qweight, scales))
+    assert_close_rel(kernels.gemm_int8(x, qweight, scales), ref)
+
+
+@pytest.mark.parametrize(("scheme", "group_size"), [("int8", None), ("int4", 64)])
+def test_quant_linear_both_paths_match_reference(scheme: str, group_size: int | None) -> None:
+    w, bias = random_weight(48, 192), torch.randn(48)
+    layer = QuantLinear.from_float(w, bias, scheme, group_size)  # type: ignore[arg-type]
+    if scheme == "int8":
+        ref_w = primitives.dequantize_int8(layer.qweight, layer.scales)
+    else:
+        assert layer.zeros is not None
+        ref_w = primitives.dequantize_int4(layer.qweight, layer.scales, layer.zeros, 64)
+    for rows in (1, layer.max_kernel_rows, layer.max_kernel_rows + 1):  # kernel, kernel, fallback
+        x = torch.randn(rows, 192)
+        assert_close_rel(layer(x), F.linear(x, ref_w, bias))
+    x3 = torch.randn(2, 3, 192)  # leading dims are kept
+    assert layer(x3).shape == (2, 3, 48)
+    assert_close_rel(layer(x3), F.linear(x3, ref_w, bias))
+
+
+@pytest.mark.parametrize(("scheme", "group_size"), [("int8", None), ("int4", 32)])
+def test_quant_linear_packed_round_trip(scheme: str, group_size: int | None) -> None:
+    layer = QuantLinear.from_float(random_weight(24, 64), torch.randn(24), scheme, group_size)  # type: ignore[arg-type]
+    tensors = layer.state_tensors()
+    expected_keys = {"qweight", "scales", "bias"} | ({"zeros"} if scheme == "int4" else set())
+    assert set(tensors) == expected_keys
+    assert set(layer.state_dict()) == expected_keys  # nn.Module state_dict uses the same names
+    again = QuantLinear.from_packed(tensors, scheme, group_size)  # type: ignore[arg-type]
+    x = torch.randn(2, 64)
+    assert torch.equal(again(x), layer(x))
+
+
+def test_quantized_bytes_counts_every_stored_tensor() -> None:
+    int8 = QuantLinear.from_float(torch.randn(24, 64), torch.randn(24), "int8")
+    assert int8.quantized_bytes() == 24 * 64 + 24 * 4 + 24 * 4
+    int4 = QuantLinear.from_float(torch.randn(24, 128), None, "int4", 64)
+    assert int4.quantized_bytes() == 24 * 64 + 2 * (24 * 2 * 4)
+
+
+def test_from_packed_rejects_mismatched_tensors() -> None:
+    tensors = QuantLinear.from_float(torch.randn(24, 128), None, "int4", 64).state_tensors()
+    with pytest.raises(ValueError, match="scales"):
+        QuantLinear.from_packed(tensors, "int4", 32)  # manifest group size disagrees with the tensors
+    with pytest.raises(ValueError, match="missing"):
+        QuantLinear.from_packed({"qweight": tensors["qweight"]}, "int4", 64)
+    with pytest.raises(ValueError, match="qweight: expected torch.int8"):  # int4 tensors read as int8
+        QuantLinear.from_packed({k: tensors[k] for k in ("qweight", "scales")}, "int8")
+
+
+FALLBACK_SCRIPT = """
+import torch, torch.nn.functional as F
+from pipeline.runtime.quant import primitives
+from pipeline.runtime.quant.linear import QuantLinear, kernels_available, kernels_unavailable_reason
+assert not kernels_available()
+print(kernels_unavailable_reason())
+w, b, x = torch.randn(40, 128), torch.randn(40), torch.randn(1, 128)
+layer = QuantLinear.from_float(w, b, "int8")
+torch.testing.assert_close(layer(x), F.linear(x, primitives.dequantize_int8(layer.qweight, layer.scales), b))
+layer = QuantLinear.from_float(w, b, "int4", 64)
+ref = primitives.dequantize_int4(layer.qweight, layer.scales, layer.zeros, 64)
+torch.testing.assert_close(layer(x), F.linear(x, ref, b))
+"""
+
+
+@pytest.mark.parametrize(
+    ("env", "reason"),
+    [
+        ({"LLMPIPE_DISABLE_KERNELS": "1"}, "disabled by LLMPIPE_DISABLE_KERNELS=1"),
+        ({"CXX": "false"}, "building the quantized CPU kernels failed"),  # a compiler that always fails
+    ],
+)
+def test_without_kernels_layers_fall_back_to_dequantize_matmul(
+    env: dict[str, str], reason: str, tmp_path: Path
+) -> None:
+    full_env = {**os.environ, "LLMPIPE_CACHE_DIR": str(tmp_path), **env}  # empty cache: nothing prebuilt
+    proc = subprocess.run(
+        [sys.executable, "-c", FALLBACK_SCRIPT],
+        cwd=ROOT,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert reason in proc.stdout
+
+
+def c_compiler() -> str:
+    compiler = shutil.which("cc")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    return compiler
+
+
+def test_concurrent_first_builds_leave_one_cached_library(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    compiler = c_compiler()
+    monkeypatch.setenv("LLMPIPE_CACHE_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "answer.c"
+    source.write_text("int answer(void) { return 42; }\n")
+
+    def build(_: int) -> Path:
+        return compile_cached("answer", [source], ["-shared", "-fPIC"], compiler, salt="")
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        paths = set(pool.map(build, range(4)))
+    assert len(paths) == 1
+    (path,) = paths
+    assert list((tmp_path / "cache" / "kernels").iterdir()) == [path]  # no temporary build directory left
+    assert ctypes.CDLL(str(path)).answer() == 42
+    source.write_text("int answer(void) { return 43; }\n")  # an edited source gets a new library
+    assert ctypes.CDLL(str(build(0))).answer() == 43
+
+
+def test_compile_errors_name_the_compiler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    compiler = c_compiler()
+    monkeypatch.setenv("LLMPIPE_CACHE_DIR", str(tmp_path))
+    source = tmp_path / "broken.c"
+    source.write_text("int broken(void) { return }\n")
+    with pytest.raises(OSError, match="exited with"):
+        compile_cached("broken", [source], ["-shared", "-fPIC"], compiler, salt="")
+    assert list((tmp_path / "kernels").iterdir()) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_uses_the_dequantize_path() -> None:
+    layer = QuantLinear.from_float(random_weight(64, 128), None, "int4", 64)
+    x = torch.randn(1, 128)
+    assert_close_rel(layer.to("cuda")(x.cuda()).cpu(), layer.cpu()(x))
