@@ -124,6 +124,7 @@ def main() -> None:
         max_num_tokens=build.max_num_tokens,
         max_input_len=build.max_input_len,
         max_seq_len=build.max_seq_len,
+        enable_chunked_context=runner.config.runtime.enable_chunked_context,
     )
     engine = LLMEngine(runner, config)
     rng = random.Random(0)
