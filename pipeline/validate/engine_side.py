@@ -1,0 +1,85 @@
+"""The built engine, in-process: greedy generation through the real scheduler and paged KV cache, and
+teacher-forced scoring (logits at every position of a given sequence) through the engine's own model.
+
+NOTE: the model runner has no scoring entry point yet, so `score` runs one prefill of the whole sequence
+through `runner.model` with blocks borrowed from the engine's block manager: the same weights, linear
+layers, attention and KV-cache format that serve requests. It needs the engine idle (no request in
+flight), which validation guarantees by scoring only between `generate` calls.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pipeline.errors import ConfigError
+from pipeline.runtime.attn_metadata import SequenceChunk, build_attention_metadata
+from pipeline.runtime.engine import LLMEngine
+from pipeline.runtime.model_runner import ModelRunner
+from pipeline.runtime.request import Request
+from pipeline.runtime.sampling_params import SamplingParams
+
+
+class EngineTarget:
+    def __init__(self, engine: LLMEngine, name: str = "engine (in-process)") -> None:
+        if not isinstance(engine.runner, ModelRunner):
+            raise TypeError(f"scoring needs the engine's ModelRunner, got {type(engine.runner).__name__}")
+        self.engine = engine
+        self.runner = engine.runner
+        self.name = name
+        build = self.runner.config.build
+        # one prefill of the whole sequence: bounded by the prompt limit the engine was built for
+        self.max_input_len = build.max_input_len
+
+    @classmethod
+    def from_engine_dir(cls, engine_dir: Path) -> EngineTarget:
+        return cls(LLMEngine.from_engine_dir(engine_dir), name=f"engine {engine_dir}")
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int]) -> list[list[int]]:
+        params = SamplingParams(
+            max_tokens=max_new_tokens,
+            temperature=0.0,
+            end_id=stop_ids[0] if stop_ids else None,
+            stop_token_ids=tuple((i,) for i in stop_ids[1:]),
+        )
+        for prompt in prompts:
+            self._check_length(len(prompt), "prompt")
+        return [request.output_token_ids for request in self.engine.generate(prompts, params)]
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits at every position: row i predicts token i+1. [len(token_ids), vocab] fp32 on CPU."""
+        self._check_length(len(token_ids), "scored sequence")
+        if self.engine.has_unfinished():
+            raise RuntimeError("EngineTarget.score needs an idle engine (its KV blocks are borrowed)")
+        block_manager = self.engine.scheduler.block_manager
+        request = Request("validate-score", list(token_ids), SamplingParams())
+        if not block_manager.can_allocate(request):
+            raise ConfigError(
+                f"the engine's KV cache cannot hold one {len(token_ids)}-token sequence for scoring",
+                hint="raise kv_cache.max_tokens",
+            )
+        block_manager.allocate(request)
+        try:
+            runner = self.runner
+            meta = build_attention_metadata(
+                [SequenceChunk(0, len(token_ids), request.block_table)],
+                runner.tokens_per_block,
+                runner.device,
+                padded=runner.attention_backend == "torch",
+                sliding_window=runner.config.model.sliding_window,
+            )
+            input_ids = torch.tensor(token_ids, dtype=torch.int64, device=runner.device)  # [T]
+            hidden = runner.model.forward(input_ids, meta)  # [T, hidden]
+            return runner.model.compute_logits(hidden).float().cpu()  # [T, vocab]
+        finally:
+            block_manager.free(request)
+
+    def _check_length(self, num_tokens: int, what: str) -> None:
+        if num_tokens > self.max_input_len:
+            raise ConfigError(
+                f"a {what} of the eval set has {num_tokens} tokens, more than the engine's max_input_len "
+                f"({self.max_input_len})",
+                hint="rebuild with a larger engine.max_input_len or lower validation.max_new_tokens",
+            )

@@ -1,0 +1,91 @@
+"""`run(cfg, inputs, out_dir)`: measure a build against its float32 HF reference, write validation.json
+(and validation.png when asked), and raise AccuracyRegression naming every metric outside its bound."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import BuildConfig
+from pipeline.errors import MissingArtifactError
+from pipeline.stages.fetch import checkpoint_dir
+from pipeline.stages.runner import StageInput
+from pipeline.validate.data import load_eval_set
+from pipeline.validate.measure import Settings, measure
+from pipeline.validate.reference import ReferenceModel
+from pipeline.validate.report import PLOT_FILE, REPORT_FILE, build_report, raise_for_failures
+from pipeline.validate.thresholds import profile_name, resolve_gates
+
+
+def run(
+    cfg: BuildConfig,
+    inputs: dict[str, StageInput],
+    out_dir: Path,
+    *,
+    endpoint: str | None = None,
+    plot: bool = False,
+    check: bool = True,
+) -> dict[str, Any]:
+    """inputs: "fetch" (the reference checkpoint) and, unless `endpoint` is given, "engine".
+
+    With `endpoint` (a Triton URL), the deployment behind it is validated through its ensemble instead of
+    the in-process engine; only the text metrics can be measured there (the report says why).
+    `check=False` writes the report without raising (the stage records failing results too).
+    """
+    if "fetch" not in inputs:
+        raise MissingArtifactError(
+            "validate needs the fetched checkpoint", hint="Run `llmpipe fetch CONFIG` first."
+        )
+    evalset = load_eval_set(cfg.validation.dataset)
+    reference = ReferenceModel(checkpoint_dir(inputs["fetch"]))
+    engine_input = inputs.get("engine")
+    compute_dtype = _compute_dtype(cfg, engine_input)
+    target: Any
+    if endpoint is not None:
+        from pipeline.validate.endpoint import EndpointTarget
+
+        target = EndpointTarget(endpoint)
+    else:
+        if engine_input is None:
+            raise MissingArtifactError(
+                "validate needs a built engine", hint="Run `llmpipe build CONFIG` first."
+            )
+        from pipeline.validate.engine_side import EngineTarget
+
+        target = EngineTarget.from_engine_dir(engine_input.dir)
+    settings = Settings(cfg.validation.num_samples, cfg.validation.max_new_tokens)
+    measurement = measure(evalset, reference, target, settings)
+    q = cfg.quantization
+    gates = resolve_gates(cfg.validation.thresholds, q.mode, q.kv_cache_dtype, compute_dtype)
+    header = {
+        "build": cfg.name,
+        "target": target.name,
+        "quantization": {"mode": q.mode, "kv_cache_dtype": q.kv_cache_dtype, "group_size": q.group_size},
+        "compute_dtype": compute_dtype,
+        "profile": profile_name(q.mode, q.kv_cache_dtype, compute_dtype),
+        "dataset": evalset.origin,
+        "num_samples": settings.num_samples,
+        "max_new_tokens": settings.max_new_tokens,
+    }
+    report = build_report(header, gates, measurement)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report_path = out_dir / REPORT_FILE
+    report_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    if plot:
+        from pipeline.validate.plot import plot_reports
+
+        plot_reports([report], out_dir / PLOT_FILE)
+    if check:
+        raise_for_failures([(report, str(report_path))])
+    return report
+
+
+def _compute_dtype(cfg: BuildConfig, engine_input: StageInput | None) -> str | None:
+    """The engine's compute dtype: what its config.json records, else the build config's explicit dtype."""
+    if engine_input is not None and (engine_input.dir / "config.json").is_file():
+        config = json.loads((engine_input.dir / "config.json").read_text(encoding="utf-8"))
+        dtype = config.get("pretrained_config", {}).get("dtype")
+        if dtype:
+            return str(dtype)
+    return None if cfg.dtype == "auto" else cfg.dtype

@@ -1,0 +1,147 @@
+"""Accuracy gates: which metric each `validation.thresholds` field bounds, and the defaults per build.
+
+Every number compares the engine with the float32 Hugging Face reference of the same checkpoint on the
+builtin eval set at its default size (16 summaries x 48 tokens + 16 answers: ~1000 teacher-forced
+positions; 16 windows x 128 tokens: ~2000 held-out positions). Measured on SmolLM2-135M-Instruct (weights
+quantized and dequantized with runtime.quant.primitives, float32 compute, as the weight-only engines do):
+
+    build              greedy  top-1   mean KL  ppl delta  ROUGE-L drop  identical outputs
+    fp32 engine        1.000   1.000   7e-12    +2e-6 %    0.0           1.00
+    int8 per-channel   0.967   0.964   0.0038   +0.09 %    2.0           0.44
+    int4 g64           0.767   0.660   0.333    +40.6 %    8.2           0.03
+    int4 g128          0.712   0.605   0.522    +74.5 %    10.5          0.00
+
+Why these defaults:
+- `exact` (float32 engine, no quantization, KV in float32): the engine computes what the reference
+  computes up to summation order. Any disagreement is a bug, so greedy and top-1 agreement and identical
+  outputs must be 1.0 and ROUGE may not move; KL and perplexity get bounds 1e5 times the float noise
+  above and far below any real defect. CI runs this on the tiny random model.
+- `none` (fp16/bf16 engine, e.g. TensorRT-LLM on a GPU): half-precision rounding flips only near-ties:
+  >= 0.99 greedy agreement and <= 0.5 % perplexity (the issue's figures); top-1 one point looser because
+  held-out text has more near-ties than the model's own greedy path (top-1 < greedy in every row above).
+- `int8_wo` (W8A16 per-channel): the issue's targets, >= 0.97 greedy and <= 1 % perplexity. NOTE: plain
+  round-to-nearest int8 measures 0.967 greedy agreement above (standard error ~0.006 at 1000 positions):
+  an int8 build passes only if its quantizer does at least that well. Top-1 >= 0.95, KL <= 0.02 and a
+  4-point ROUGE-L drop are 2-5x the measured loss. fp8 modes share these bounds.
+- `int8_sq` (W8A8 SmoothQuant): activations are quantized too; twice the int8 weight-only allowance.
+- `int4_wo`, `int4_awq`, `w4a8_awq`, `nvfp4` (4-bit weights): <= 8 % perplexity (the issue's target for
+  group 128); greedy >= 0.85, top-1 >= 0.80 and KL <= 0.10 are where the table puts a build with ~8-12 %
+  perplexity loss, so no gate is much looser than the perplexity one. Plain round-to-nearest int4 g128
+  (+74.5 %) and g64 (+40.6 %) fail all of them on this 135M model: meeting the target needs activation-
+  aware scales or a smaller group (group 32 requantizes the source GGUF's Q4_1 blocks losslessly).
+- KV cache in int8/fp8 adds its own rounding on every attention read: each bound is widened by the
+  `KV_QUANT_EXTRA` allowance (TinyLlama W8A16 + INT8 KV loses a further 0.9 ROUGE-1 in TensorRT-LLM's
+  references, REFERENCE.md §4.3).
+- ROUGE-L drop (reference minus engine, points x100): 16 summaries are noisy. Once a generation diverges
+  from the reference its ROUGE-L moves ~10 points either way; the one-sided 95 % bound of the mean of 16
+  such differences is 1.645 x 10 / 4 = ~4 points, so 4 (int8) to 6 (4-bit) avoids false alarms while a
+  garbage build (drop ~15+, the reference scores 17.5) fails.
+- Perplexity is gated on |delta|: an engine far *better* than its reference is not the same model either
+  (zeroing one layer of the tiny random model lowered its perplexity on English text by 9 %).
+- Identical outputs (free-running greedy text equal to the reference's) are gated only in `exact`, where
+  anything else is a decode-path, tokenizer or detokenizer bug (REFERENCE.md §6 P8/P9); elsewhere one
+  early flip legitimately changes the rest of a generation (0.44 for int8 above).
+
+Exact match is reported, not gated: 16 questions move in steps of 6 points, too coarse to gate on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.config import ValidationThresholds
+
+
+@dataclass(frozen=True)
+class GateSpec:
+    field: str  # name in `validation.thresholds`
+    metric: str  # key in the measured metrics
+    op: str  # ">=" (a floor), "<=" (a ceiling) or "|x|<=" (a ceiling on the size of a signed change)
+
+
+GATE_SPECS: tuple[GateSpec, ...] = (
+    GateSpec("min_greedy_agreement", "greedy_agreement", ">="),
+    GateSpec("min_top1_agreement", "top1_agreement", ">="),
+    GateSpec("max_mean_kl", "mean_kl", "<="),
+    GateSpec("max_ppl_delta_pct", "ppl_delta_pct", "|x|<="),
+    GateSpec("max_rouge_drop", "rougeL_drop", "<="),
+    # the only agreement check that also covers a Triton endpoint's tokenization and detokenization
+    GateSpec("min_output_match", "output_match", ">="),
+)
+
+FIELDS = tuple(spec.field for spec in GATE_SPECS)
+# Profile -> default bounds in FIELDS order: (greedy agreement, top-1 agreement, mean KL in nats,
+# |perplexity delta| %, ROUGE-L drop in points, identical outputs).
+_EXACT = (1.0, 1.0, 1e-6, 0.01, 0.0, 1.0)
+_HALF = (0.99, 0.98, 0.01, 0.5, 2.0, 0.0)
+_INT8 = (0.97, 0.95, 0.02, 1.0, 4.0, 0.0)
+_W8A8 = (0.94, 0.90, 0.04, 2.0, 5.0, 0.0)
+_4BIT = (0.85, 0.80, 0.10, 8.0, 6.0, 0.0)
+# Keys are config.QuantMode values, plus "exact": the float32, unquantized engine.
+DEFAULTS: dict[str, tuple[float, ...]] = {
+    "exact": _EXACT,
+    "none": _HALF,
+    "int8_wo": _INT8,
+    "fp8": _INT8,
+    "fp8_pc_pt": _INT8,
+    "int8_sq": _W8A8,
+    "int4_wo": _4BIT,
+    "int4_awq": _4BIT,
+    "w4a8_awq": _4BIT,
+    "nvfp4": _4BIT,
+}
+# Added to each bound, in the loosening direction, when the KV cache is int8 or fp8.
+KV_QUANT_EXTRA = (0.02, 0.02, 0.01, 1.0, 1.0, 0.0)
+
+
+@dataclass(frozen=True)
+class Gate:
+    metric: str
+    op: str
+    threshold: float
+    field: str  # the config field that sets it
+    source: str  # "config" or "default (<profile>)"
+
+    def passes(self, value: float) -> bool:
+        return gate_passes(self.op, value, self.threshold)
+
+
+def gate_passes(op: str, value: float, threshold: float) -> bool:
+    if op == ">=":
+        return value >= threshold
+    if op == "<=":
+        return value <= threshold
+    if op == "|x|<=":
+        return abs(value) <= threshold
+    raise ValueError(f"unknown gate op {op!r}")
+
+
+def profile_name(quant_mode: str, kv_cache_dtype: str, compute_dtype: str | None) -> str:
+    """`exact` for an unquantized float32 engine; otherwise the quantization mode."""
+    if quant_mode == "none" and kv_cache_dtype == "auto" and compute_dtype == "float32":
+        return "exact"
+    return quant_mode
+
+
+def resolve_gates(
+    configured: ValidationThresholds, quant_mode: str, kv_cache_dtype: str, compute_dtype: str | None
+) -> list[Gate]:
+    """One gate per metric: the config's bound where set, else the default for this build's profile."""
+    profile = profile_name(quant_mode, kv_cache_dtype, compute_dtype)
+    defaults = dict(zip(FIELDS, DEFAULTS[profile], strict=True))
+    label = profile
+    if kv_cache_dtype != "auto":
+        label = f"{profile} + {kv_cache_dtype} KV"
+        for name, extra in zip(FIELDS, KV_QUANT_EXTRA, strict=True):
+            floor = name.startswith("min_")
+            # round: 0.97 - 0.02 must print as 0.95, not 0.9499999999999999
+            defaults[name] = round(max(0.0, defaults[name] - extra) if floor else defaults[name] + extra, 9)
+    gates = []
+    for spec in GATE_SPECS:
+        # getattr: min_output_match is not (yet) a field of the config's ValidationThresholds
+        value = getattr(configured, spec.field, None)
+        source = "config" if value is not None else f"default ({label})"
+        gates.append(
+            Gate(spec.metric, spec.op, defaults[spec.field] if value is None else value, spec.field, source)
+        )
+    return gates
