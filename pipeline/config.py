@@ -239,7 +239,10 @@ class ValidationThresholds(_Strict):
         None, ge=0, le=1, description="Next-token top-1 agreement floor."
     )
     max_rouge_drop: float | None = Field(
-        None, ge=0, description="Largest ROUGE-L drop vs the reference (absolute)."
+        None, ge=0, description="Largest ROUGE-L drop vs the reference, in ROUGE points (x100)."
+    )
+    min_output_match: float | None = Field(
+        None, ge=0, le=1, description="Share of free-running greedy outputs identical to the reference."
     )
 
 

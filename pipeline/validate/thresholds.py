@@ -138,8 +138,7 @@ def resolve_gates(
             defaults[name] = round(max(0.0, defaults[name] - extra) if floor else defaults[name] + extra, 9)
     gates = []
     for spec in GATE_SPECS:
-        # getattr: min_output_match is not (yet) a field of the config's ValidationThresholds
-        value = getattr(configured, spec.field, None)
+        value = getattr(configured, spec.field)
         source = "config" if value is not None else f"default ({label})"
         gates.append(
             Gate(spec.metric, spec.op, defaults[spec.field] if value is None else value, spec.field, source)
