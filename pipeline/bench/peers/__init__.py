@@ -8,7 +8,7 @@ their intended length (EOS ignored), as llmpipe's are with `min_tokens = max_tok
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from pipeline.bench.load import OnRecord, RunResult
@@ -32,6 +32,23 @@ def chunks(requests: Sequence[BenchRequest], size: int) -> list[list[BenchReques
     if size < 1:
         raise ValueError(f"batch size must be >= 1, got {size}")
     return [list(requests[i : i + size]) for i in range(0, len(requests), size)]
+
+
+def run_static_batches(
+    peer: Peer,
+    generate: Callable[[list[BenchRequest]], list[RequestRecord]],
+    requests: Sequence[BenchRequest],
+    batch_size: int,
+    on_record: OnRecord | None = None,
+) -> RunResult:
+    """Run `requests` as consecutive static batches of `batch_size` through `generate`."""
+    records: list[RequestRecord] = []
+    for batch in chunks(requests, batch_size):
+        for record in generate(batch):
+            records.append(record)
+            if on_record is not None:
+                on_record(record)
+    return batch_result(peer, batch_size, records)
 
 
 def records_from_steps(

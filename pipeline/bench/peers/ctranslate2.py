@@ -16,7 +16,7 @@ from typing import Any
 
 from pipeline.bench.load import OnRecord, RunResult
 from pipeline.bench.metrics import RequestRecord
-from pipeline.bench.peers import batch_result, chunks
+from pipeline.bench.peers import run_static_batches
 from pipeline.bench.workloads import BenchRequest
 from pipeline.errors import MissingArtifactError
 
@@ -66,13 +66,7 @@ class CTranslate2Peer:
     def run(
         self, requests: Sequence[BenchRequest], batch_size: int, on_record: OnRecord | None = None
     ) -> RunResult:
-        records: list[RequestRecord] = []
-        for batch in chunks(requests, batch_size):
-            for record in self._generate(batch):
-                records.append(record)
-                if on_record is not None:
-                    on_record(record)
-        return batch_result(self, batch_size, records)
+        return run_static_batches(self, self._generate, requests, batch_size, on_record)
 
     def _generate(self, batch: list[BenchRequest]) -> list[RequestRecord]:
         times: list[list[float]] = [[] for _ in batch]

@@ -6,25 +6,20 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
 import platform
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from pipeline.runtime.quant.kernels.build import compile_cached
+
 logger = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
-
-
-def kernel_cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "llmpipe" / "kernels"
 
 
 def _cpu_flags() -> set[str]:
@@ -46,33 +41,17 @@ def compile_flags() -> list[str]:
 
 
 def build_shared_library(source: Path) -> Path | None:
-    """Compile `source` into the kernel cache (once per source, flags and compiler) and return the .so;
-    None when no compiler is available or compilation fails (the reason is logged)."""
+    """Compile `source` into the shared kernel cache (once per source, flags and compiler) and return the
+    .so; None when no compiler is available or compilation fails (the reason is logged)."""
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         logger.warning("no C compiler found: %s not built, using the slower torch path", source.name)
         return None
-    flags = compile_flags()
-    key = hashlib.sha256(source.read_bytes() + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
-    target = kernel_cache_dir() / f"{source.stem}-{key}.so"
-    if target.is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Compile to a private name, then rename: concurrent processes never load a half-written library.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
     try:
-        result = subprocess.run([compiler, *flags, str(source), "-o", tmp], capture_output=True, text=True)
-        if result.returncode != 0:
-            logger.warning(
-                "compiling %s failed, using the slower torch path:\n%s", source.name, result.stderr[-2000:]
-            )
-            return None
-        os.replace(tmp, target)
-        return target
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        return compile_cached(source.stem, [source], compile_flags(), compiler, salt="")
+    except (OSError, subprocess.SubprocessError) as exc:
+        logger.warning("compiling %s failed, using the slower torch path: %s", source.name, exc)
+        return None
 
 
 class PagedAttentionKernel:
