@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import json
 import shlex
 import sys
@@ -33,32 +32,12 @@ from typing import Any
 import pipeline  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads)
 from pipeline.bench.builds import ensure_built
 from pipeline.bench.report import load_1m
-from pipeline.bench.workloads import shipped_prompts
+from pipeline.bench.spec_workloads import code_edit_prompt, code_snippets
+from pipeline.bench.workloads import chat_ids, shipped_prompts
 from pipeline.errors import PipelineError
 from pipeline.runtime.engine import LLMEngine
 from pipeline.runtime.sampling_params import SamplingParams
 from pipeline.runtime.spec_decode.metrics import spec_decode_stats
-
-# Pure-Python standard-library functions (module, qualified name): real code of 10-40 lines to edit.
-CODE_SOURCES = (
-    ("textwrap", "dedent"),
-    ("textwrap", "indent"),
-    ("textwrap", "TextWrapper._split"),
-    ("textwrap", "TextWrapper._fix_sentence_endings"),
-    ("shutil", "copyfileobj"),
-    ("random", "Random.shuffle"),
-    ("string", "capwords"),
-    ("calendar", "monthrange"),
-    ("base64", "b64encode"),
-    ("contextlib", "contextmanager"),
-    ("argparse", "_ActionsContainer._get_positional_kwargs"),
-    ("dataclasses", "_tuple_str"),
-)
-EDITS = (
-    "Add type hints to this Python function. Reply with the complete function only.",
-    "Rename this function to `{name}_v2` and keep everything else unchanged. Reply with the code only.",
-    "Add a short comment above each block of this function. Reply with the complete function.",
-)
 
 
 @dataclass
@@ -107,33 +86,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def chat_ids(tokenizer: Any, text: str) -> list[int]:
-    rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
-    )
-    return list(tokenizer.encode(rendered, add_special_tokens=False))
-
-
-def code_snippets(count: int) -> list[tuple[str, str]]:
-    """(function name, source) of the first `count` CODE_SOURCES."""
-    import importlib
-
-    snippets = []
-    for module_name, qualname in CODE_SOURCES[:count]:
-        obj: Any = importlib.import_module(module_name)
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
-        snippets.append((qualname.rsplit(".", 1)[-1], inspect.cleandoc("\n" + inspect.getsource(obj))))
-    return snippets
-
-
 def build_cases(tokenizer: Any, workloads: list[str], num_prompts: int, max_tokens: int) -> list[Case]:
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, end_id=tokenizer.eos_token_id)
     cases = []
     if "copy" in workloads:
         for i, (name, source) in enumerate(code_snippets(num_prompts)):
-            edit = EDITS[i % len(EDITS)].format(name=name)
-            cases.append(Case("copy", chat_ids(tokenizer, f"{edit}\n```python\n{source}\n```"), greedy))
+            cases.append(Case("copy", chat_ids(tokenizer, code_edit_prompt(i, name, source)), greedy))
     questions = [r.prompt or "" for r in shipped_prompts()[:num_prompts]]
     if "chat" in workloads:
         cases += [Case("chat", chat_ids(tokenizer, q), greedy) for q in questions]

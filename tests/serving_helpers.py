@@ -22,17 +22,39 @@ def tiny_config(hf_dir: Path, *, decoupled: bool = True, **sections: Any) -> Bui
         "serving": {"decoupled": decoupled, "streaming": decoupled},
     }
     for key, value in sections.items():
-        data[key] = {**data[key], **value} if isinstance(value, dict) else value
+        data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
     return BuildConfig.model_validate(data)
 
 
-def build_tiny_engine(hf_dir: Path, root: Path) -> Path:
-    """convert + build of the torch backend into `root/engine`; returns the engine directory."""
+def build_tiny_engine(hf_dir: Path, root: Path, **sections: Any) -> Path:
+    """convert + build of the torch backend into `root/engine` (`sections` as for tiny_config); returns
+    the engine directory."""
     from pipeline.backends.torch.build import build
     from pipeline.backends.torch.checkpoint import convert
 
-    cfg = tiny_config(hf_dir)
+    cfg = tiny_config(hf_dir, **sections)
     checkpoint, engine = root / "checkpoint", root / "engine"
     convert(cfg, hf_dir, checkpoint)
     build(cfg, checkpoint, engine)
     return engine
+
+
+def scrape_metrics(metrics_url: str) -> dict[str, float]:
+    """Every sample on a Prometheus endpoint: 'family{labels}' -> value."""
+    import urllib.request
+
+    with urllib.request.urlopen(metrics_url, timeout=10) as reply:
+        text = reply.read().decode()
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+
+
+def metric(values: dict[str, float], family: str, **labels: str) -> float:
+    """The one sample of `family` carrying all `labels`."""
+    for key, value in values.items():
+        if key.startswith(family + "{") and all(f'{k}="{v}"' in key for k, v in labels.items()):
+            return value
+    raise AssertionError(f"{family}{labels} not on the metrics endpoint")

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from pipeline.bench.metrics import RequestRecord, RunMetrics, run_duration, summarize
+from pipeline.bench.metrics import DraftCounts, RequestRecord, RunMetrics, run_duration, summarize
 from pipeline.bench.workloads import BenchRequest
 
 # Open loop without a concurrency cap still bounds its threads; far above anything a 2-core host sustains.
@@ -31,9 +31,10 @@ class Target(Protocol):
 
     name: str
 
-    def stream(self, request: BenchRequest) -> Iterator[int]:
-        """Send `request` and yield the number of new tokens in each response as it arrives.
-        Must be safe to call from several threads at once."""
+    def stream(self, request: BenchRequest) -> Iterator[int | DraftCounts]:
+        """Send `request` and yield the number of new tokens in each response as it arrives, and, once,
+        the request's draft counts when the engine speculates and reports them. Must be safe to call from
+        several threads at once."""
         ...
 
 
@@ -69,7 +70,9 @@ def send(target: Target, request: BenchRequest) -> RequestRecord:
     try:
         for num_tokens in target.stream(request):
             now = time.perf_counter()
-            if num_tokens > 0:
+            if isinstance(num_tokens, DraftCounts):
+                record.drafts = num_tokens
+            elif num_tokens > 0:
                 record.response_times.append(now)
                 record.response_tokens.append(num_tokens)
     except Exception as err:  # noqa: BLE001 - a failed request is a measurement, not a crash of the run

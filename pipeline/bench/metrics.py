@@ -7,7 +7,11 @@ Definitions follow the field's tools (REFERENCE.md §5):
 - TPOT: (e2e - TTFT) / (output tokens - 1) per request, i.e. decode time per token after the first
   (trtllm-bench, vLLM); requests with one output token have none;
 - e2e latency: request sent -> last response;
-- output tokens/s and requests/s: totals of successful requests over the run's duration.
+- output tokens/s and requests/s: totals of successful requests over the run's duration;
+- speculative decoding, over the successful requests whose engine reported its drafts: acceptance rate =
+  accepted / draft tokens (TensorRT-LLM's acceptance_rate, pooled), accepted tokens per step = accepted
+  drafts / decode steps, a request's decode steps being its output tokens after the first less its
+  accepted drafts (each step adds its accepted drafts plus one token of the target's own).
 Percentiles interpolate linearly between closest ranks, as numpy's default does.
 """
 
@@ -18,6 +22,14 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 PERCENTILES = (50, 90, 95, 99)
+
+
+@dataclass(frozen=True)
+class DraftCounts:
+    """A request's speculative-decoding totals, as the engine reports them when it finishes."""
+
+    num_draft_tokens: int
+    num_accepted_draft_tokens: int
 
 
 @dataclass
@@ -32,6 +44,12 @@ class RequestRecord:
     response_tokens: list[int] = field(default_factory=list)  # tokens in each of those responses
     num_expected_tokens: int | None = None  # what the workload asked for
     error: str | None = None
+    drafts: DraftCounts | None = None  # when the engine speculated and said so
+
+    @property
+    def num_decode_steps(self) -> int:
+        accepted = self.drafts.num_accepted_draft_tokens if self.drafts else 0
+        return max(0, self.num_output_tokens - 1 - accepted)
 
     @property
     def ok(self) -> bool:
@@ -68,6 +86,9 @@ class RunMetrics:
     tpot_s: Distribution | None
     e2e_s: Distribution | None
     num_short_outputs: int  # successful requests that returned fewer tokens than asked for
+    # speculative decoding; None when no request reported drafts
+    acceptance_rate: float | None = None
+    accepted_tokens_per_step: float | None = None
 
     @property
     def decode_tok_s_per_user(self) -> float | None:
@@ -140,6 +161,7 @@ def summarize(records: Sequence[RequestRecord], duration_s: float) -> RunMetrics
     short = sum(
         1 for r in done if r.num_expected_tokens is not None and r.num_output_tokens < r.num_expected_tokens
     )
+    acceptance_rate, accepted_per_step = speculation([r for r in done if r.drafts is not None])
     return RunMetrics(
         num_completed=len(done),
         num_errors=len(records) - len(done),
@@ -153,7 +175,20 @@ def summarize(records: Sequence[RequestRecord], duration_s: float) -> RunMetrics
         tpot_s=distribution(tpots),
         e2e_s=distribution([e2e_latency(r) for r in done]),
         num_short_outputs=short,
+        acceptance_rate=acceptance_rate,
+        accepted_tokens_per_step=accepted_per_step,
     )
+
+
+def speculation(records: Sequence[RequestRecord]) -> tuple[float | None, float | None]:
+    """(acceptance rate, accepted tokens per decode step) pooled over records with draft counts; None
+    where nothing was drafted."""
+    num_drafts = sum(r.drafts.num_draft_tokens for r in records if r.drafts)
+    num_accepted = sum(r.drafts.num_accepted_draft_tokens for r in records if r.drafts)
+    num_steps = sum(r.num_decode_steps for r in records)
+    if not num_drafts:
+        return None, None
+    return num_accepted / num_drafts, num_accepted / num_steps if num_steps else None
 
 
 def run_duration(records: Sequence[RequestRecord]) -> float:

@@ -36,6 +36,22 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("e2e_mean_s", "e2e mean s"),
     ("e2e_p99_s", "e2e p99 s"),
 )
+# Shown when some run speculated: decode speed per request, acceptance rate, accepted drafts per step.
+SPEC_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("decode_tok_s_per_user", "decode tok/s/req"),
+    ("acceptance_rate", "accept rate"),
+    ("accepted_tokens_per_step", "accepted/step"),
+)
+
+
+def columns_for(
+    rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]] = COLUMNS
+) -> list[tuple[str, str]]:
+    """`columns`, plus those of SPEC_COLUMNS it lacks when any row has an acceptance rate."""
+    if not any(row.get("acceptance_rate") is not None for row in rows):
+        return list(columns)
+    present = {key for key, _ in columns}
+    return [*columns, *(c for c in SPEC_COLUMNS if c[0] not in present)]
 
 
 class ProgressBar:
@@ -93,6 +109,8 @@ def summary_row(result: RunResult) -> dict[str, Any]:
         "out_tok_s": m.output_tok_s,
         "req_s": m.request_s,
         "decode_tok_s_per_user": m.decode_tok_s_per_user,
+        "acceptance_rate": m.acceptance_rate,
+        "accepted_tokens_per_step": m.accepted_tokens_per_step,
         **{f"ttft_{f}_ms": _ms(m.ttft_s, f) for f in ("mean", "p50", "p90", "p95", "p99")},
         **{f"itl_{f}_ms": _ms(m.itl_s, f) for f in ("mean", "p50", "p90", "p95", "p99")},
         **{f"tpot_{f}_ms": _ms(m.tpot_s, f) for f in ("mean", "p50", "p95", "p99")},
@@ -341,6 +359,7 @@ def markdown_document(
     """A results page: how it was run, on what, the runs table, the targets, the plots (links relative
     to the page)."""
     facts = machine_facts()
+    rows = [summary_row(r) for r in results]
     lines = [
         f"# {title}",
         "",
@@ -351,7 +370,7 @@ def markdown_document(
         "",
         *notes,
         "",
-        markdown_table([summary_row(r) for r in results], MARKDOWN_COLUMNS),
+        markdown_table(rows, columns_for(rows, MARKDOWN_COLUMNS)),
     ]
     if verdicts:
         lines += ["", "Targets (ratios within this run):", "", verdict_table(verdicts, markdown=True)]

@@ -14,7 +14,7 @@ from typing import Any
 from pipeline.bench import report
 from pipeline.bench.load import RunResult, Target, run_closed_loop, run_open_loop
 from pipeline.bench.peers import Peer
-from pipeline.bench.targets import ISSUE7_TARGETS, Verdict, check, measurements
+from pipeline.bench.targets import ISSUE7_TARGETS, ISSUE9_TARGETS, Verdict, check, measurements
 from pipeline.bench.workloads import BenchRequest
 from pipeline.errors import ConfigError
 
@@ -213,11 +213,12 @@ def finish(
     `include_unmeasured`), and the files written."""
     rows = [report.summary_row(r) for r in results]
     found = {**measurements(results), **(extra_measurements or {})}
-    verdicts = [v for v in check(ISSUE7_TARGETS, found) if include_unmeasured or v.status != "not measured"]
+    targets = (*ISSUE7_TARGETS, *ISSUE9_TARGETS)
+    verdicts = [v for v in check(targets, found) if include_unmeasured or v.status != "not measured"]
     files = report.write_results(out_dir, results, verdicts, meta, found)
     if plots:
         files += report.plot(out_dir, results)
-    text = report.format_table(rows)
+    text = report.format_table(rows, report.columns_for(rows))
     if verdicts:
         text += "\n\n" + report.verdict_table(verdicts)
     return text, verdicts, files
@@ -235,6 +236,44 @@ class OursSpec:
     min_tokens_equal_max: bool
     precision: str | None
     end_id: int | None
+    # in-process: speculative modes to run one after the other (none | ngram | draft_model), each with the
+    # config's speculative settings; empty = the config's own mode only
+    speculation: tuple[str, ...] = ()
+    workload: str | None = None  # the workload's name, for the measurement keys of a speculation sweep
+
+
+SPECULATION_MODES = ("none", "ngram", "draft_model")
+
+
+def speculative_overrides(cfg: Any, mode: str) -> dict[str, Any]:
+    """LLMEngine.from_engine_dir keywords that run `mode` with the config's speculative settings,
+    whatever the engine was built with."""
+    from pipeline.bench.builds import stage_output
+    from pipeline.config import load_build_config
+
+    if mode not in SPECULATION_MODES:
+        raise ConfigError(
+            f"speculative mode {mode!r} cannot run in-process",
+            hint=f"choose from {', '.join(SPECULATION_MODES)} (lookahead/medusa/eagle are TensorRT-LLM modes)",
+        )
+    if mode == "none":
+        return {"speculative_mode": "none"}
+    spec = cfg.speculative
+    overrides: dict[str, Any] = {
+        "speculative_mode": mode,
+        "max_draft_len": spec.max_draft_len,
+        "speculative_adaptive": spec.adaptive,
+    }
+    if mode == "ngram":
+        overrides.update(ngram_min_match=spec.ngram.min_match, ngram_max_match=spec.ngram.max_match)
+    else:
+        if not spec.draft_config:
+            raise ConfigError(
+                "speculative mode draft_model needs speculative.draft_config (the draft engine's build config)",
+                hint="--set speculative.draft_config=build_configs/<draft>.yaml",
+            )
+        overrides["draft_engine_dir"] = stage_output(load_build_config(spec.draft_config), "engine")
+    return overrides
 
 
 def run_llmpipe(
@@ -252,16 +291,23 @@ def run_llmpipe(
     if spec.in_process:
         from pipeline.bench.clients.inprocess import InProcessTarget
 
-        engine = InProcessTarget.from_engine_dir(
-            stage_output(spec.cfg, "engine"),
-            name=label,
-            end_id=spec.end_id,
-            min_tokens_equal_max=spec.min_tokens_equal_max,
-        )
-        try:
-            return run_target(engine, requests, warmup, plan, extra)
-        finally:
-            engine.close()
+        results = []
+        for mode in spec.speculation or (spec.cfg.speculative.mode,):
+            run_extra = (
+                {**extra, "speculation": mode, "workload": spec.workload} if spec.speculation else extra
+            )
+            engine = InProcessTarget.from_engine_dir(
+                stage_output(spec.cfg, "engine"),
+                engine_overrides=speculative_overrides(spec.cfg, mode),
+                name=f"{label}-{mode}" if spec.speculation else label,
+                end_id=spec.end_id,
+                min_tokens_equal_max=spec.min_tokens_equal_max,
+            )
+            try:
+                results += run_target(engine, requests, warmup, plan, run_extra)
+            finally:
+                engine.close()
+        return results
     if spec.endpoint is not None:
         client = triton_target(
             spec.endpoint, spec.model_name, spec.min_tokens_equal_max, name=f"{label}-triton"

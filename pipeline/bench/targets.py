@@ -1,4 +1,4 @@
-"""The speed targets of issues 3 and 7 as data, and a checker that marks each one met, missed or not measured.
+"""The speed targets of issues 3, 7 and 9 as data, and a checker that marks each one met, missed or not measured.
 
 A target compares two measurements from the same run as a ratio (the machines are noisy; ratios within
 one run are what carry over). Measurements are a flat `{key: value}` map; keys read
@@ -172,6 +172,33 @@ ISSUE7_TARGETS: tuple[SpeedTarget, ...] = (
 )
 
 
+def _spec_pair(workload: str, mode: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(speculation on, off) single-request decode keys of an in-process `--speculation none,MODE` run."""
+    on = tuple(f"llmpipe.{p}.inprocess.{workload}.{mode}.single_decode_tok_s" for p in OURS)
+    off = tuple(f"llmpipe.{p}.inprocess.{workload}.none.single_decode_tok_s" for p in OURS)
+    return on, off
+
+
+ISSUE9_TARGETS: tuple[SpeedTarget, ...] = (
+    SpeedTarget(
+        "prompt_lookup_on_input_copying",
+        9,
+        "single-request decode with prompt lookup >= 1.5x without, code-edit workload",
+        *_spec_pair("code-edit", "ngram"),
+        ">=",
+        1.5,
+    ),
+    SpeedTarget(
+        "prompt_lookup_when_drafts_are_rejected",
+        9,
+        "single-request decode with prompt lookup >= 0.95x without, builtin chat prompts",
+        *_spec_pair("builtin", "ngram"),
+        ">=",
+        0.95,
+    ),
+)
+
+
 def _best(keys: Sequence[str], measurements: Mapping[str, float]) -> tuple[str | None, float | None]:
     found = [(measurements[k], k) for k in keys if measurements.get(k) is not None]
     if not found:
@@ -197,24 +224,29 @@ def check(targets: Sequence[SpeedTarget], measurements: Mapping[str, float]) -> 
 
 def measurements(results: Sequence[RunResult]) -> dict[str, float]:
     """Measurement keys of closed-loop and batched runs whose `extra` names `engine` and `precision`
-    (and `path` for llmpipe: inprocess | triton; `workload` for a side workload): `c{N}_tok_s`,
-    `c{N}_ttft_mean_s`, `c{N}_ttft_p95_s`, and `single_decode_tok_s` from the concurrency-1 run. A
-    path-less llmpipe single-decode key takes the in-process value when there is one (the engine's speed,
-    without transport); side workloads never set it."""
+    (and `path` for llmpipe: inprocess | triton; `workload` for a side workload; `speculation` for a run
+    of a `--speculation` sweep): `c{N}_tok_s`, `c{N}_ttft_mean_s`, `c{N}_ttft_p95_s`,
+    `c{N}_acceptance_rate`, `c{N}_accepted_tokens_per_step`, and `single_decode_tok_s` from the
+    concurrency-1 run. A path-less llmpipe single-decode key takes the in-process value when there is one
+    (the engine's speed, without transport); side workloads never set it."""
     out: dict[str, float] = {}
     for r in results:
         engine, precision, path = r.extra.get("engine"), r.extra.get("precision"), r.extra.get("path")
-        workload = r.extra.get("workload")
+        workload, speculation = r.extra.get("workload"), r.extra.get("speculation")
         if r.mode == "open" or not engine or not precision or not r.concurrency:
             continue
         m = r.metrics()
         if m.num_completed == 0:
             continue
-        base = ".".join(str(p) for p in (engine, precision, path, workload) if p)
+        base = ".".join(str(p) for p in (engine, precision, path, workload, speculation) if p)
         out[f"{base}.c{r.concurrency}_tok_s"] = m.output_tok_s
         if m.ttft_s is not None:
             out[f"{base}.c{r.concurrency}_ttft_mean_s"] = m.ttft_s.mean
             out[f"{base}.c{r.concurrency}_ttft_p95_s"] = m.ttft_s.p95
+        if m.acceptance_rate is not None:
+            out[f"{base}.c{r.concurrency}_acceptance_rate"] = m.acceptance_rate
+        if m.accepted_tokens_per_step is not None:
+            out[f"{base}.c{r.concurrency}_accepted_tokens_per_step"] = m.accepted_tokens_per_step
         if r.concurrency == 1 and m.decode_tok_s_per_user is not None:
             out[f"{base}.single_decode_tok_s"] = m.decode_tok_s_per_user
             plain = f"{engine}.{precision}.single_decode_tok_s"

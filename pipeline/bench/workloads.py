@@ -4,7 +4,9 @@ Three sources, all deterministic for a given seed:
 - synthetic lengths (trtllm-bench `token-norm-dist`: input/output lengths from normal distributions, or
   uniform ranges), filled with windows of real text tokens when a tokenizer is given;
 - a JSONL dataset, one `{"prompt" | "input_ids", "output_tokens"}` object per line (trtllm-bench's format);
-- the small prompt set shipped with llmpipe (`pipeline/data/bench_prompts.jsonl`).
+- named built-in workloads: `builtin` (the small prompt set shipped with llmpipe,
+  `pipeline/data/bench_prompts.jsonl`), and `code-edit` / `summarize` (spec_workloads.py: answers that
+  copy their prompt, where speculative decoding's prompt lookup pays off).
 """
 
 from __future__ import annotations
@@ -160,8 +162,20 @@ def _read_jsonl(path: Path) -> list[dict[str, object]]:
     return rows
 
 
-def tokenize(requests: list[BenchRequest], tokenizer: Tokenizer | None) -> list[BenchRequest]:
-    """Give every request both forms: ids for engines that take ids, text for endpoints that take text."""
+def chat_ids(tokenizer: Tokenizer, text: str) -> list[int]:
+    """`text` as one user turn of the tokenizer's chat template, ready for the assistant's answer."""
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+    )
+    return list(tokenizer.encode(rendered, add_special_tokens=False))
+
+
+def tokenize(
+    requests: list[BenchRequest], tokenizer: Tokenizer | None, chat_template: bool = False
+) -> list[BenchRequest]:
+    """Give every request both forms: ids for engines that take ids, text for endpoints that take text.
+    With `chat_template` (a deployment with serving.apply_chat_template), text prompts become ids through
+    the tokenizer's chat template, as the serving preprocessing would turn them; the text stays as written."""
     out = []
     for r in requests:
         ids, prompt = r.input_ids, r.prompt
@@ -171,7 +185,12 @@ def tokenize(requests: list[BenchRequest], tokenizer: Tokenizer | None) -> list[
                     f"request {r.index} has only text and no tokenizer is available",
                     hint="pass --tokenizer DIR (an HF tokenizer folder) or a dataset with input_ids",
                 )
-            ids = tuple(tokenizer.encode(prompt or "", add_special_tokens=False))
+            templated = chat_template and getattr(tokenizer, "chat_template", None)
+            ids = tuple(
+                chat_ids(tokenizer, prompt or "")
+                if templated
+                else tokenizer.encode(prompt or "", add_special_tokens=False)
+            )
         if prompt is None and tokenizer is not None:
             prompt = tokenizer.decode(list(ids), skip_special_tokens=False)
         out.append(replace(r, input_ids=ids, prompt=prompt))
@@ -185,6 +204,19 @@ def cycle_to(requests: list[BenchRequest], count: int) -> list[BenchRequest]:
     return [replace(requests[i % len(requests)], index=i) for i in range(count)]
 
 
+BUILTIN_WORKLOADS = ("builtin", "code-edit", "summarize")
+
+
+def builtin_workload(name: str) -> list[BenchRequest]:
+    from pipeline.bench import spec_workloads
+
+    if name == "code-edit":
+        return spec_workloads.code_edit_requests()
+    if name == "summarize":
+        return spec_workloads.summarize_requests()
+    return shipped_prompts()
+
+
 def make_workload(
     dataset: str | None,
     num_requests: int,
@@ -193,11 +225,12 @@ def make_workload(
     output_len: LengthSpec | None,
     seed: int,
     tokenizer: Tokenizer,
+    chat_template: bool = False,
 ) -> tuple[list[BenchRequest], list[BenchRequest]]:
-    """(measured, warm-up) requests, tokenized. `dataset` is a JSONL path, "builtin" (the shipped prompts)
-    or None (synthetic lengths, by default 128 in / 64 out); with a dataset, `output_len` replaces each
-    line's output length. Warm-up prompts come from another seed, so no measured prompt is already in a
-    prefix cache when its run starts."""
+    """(measured, warm-up) requests, tokenized (text prompts through the chat template when
+    `chat_template`). `dataset` is a JSONL path, a BUILTIN_WORKLOADS name or None (synthetic lengths, by
+    default 128 in / 64 out); with a dataset, `output_len` replaces each line's output length. Warm-up
+    prompts come from another seed, so no measured prompt is already in a prefix cache when its run starts."""
     if dataset is None:
         base = synthetic(
             num_requests, input_len or LengthSpec(128), output_len or LengthSpec(64), seed, tokenizer
@@ -205,9 +238,9 @@ def make_workload(
     else:
         if input_len is not None:
             raise ConfigError("--input-mean shapes synthetic prompts; a --dataset brings its own prompts")
-        base = shipped_prompts() if dataset == "builtin" else load_jsonl(dataset)
+        base = builtin_workload(dataset) if dataset in BUILTIN_WORKLOADS else load_jsonl(dataset)
         if output_len is not None:
             rng = random.Random(seed)
             base = [replace(r, output_tokens=output_len.draw(rng)) for r in base]
     warmup = synthetic(num_warmup, LengthSpec(64), LengthSpec(8), seed + 1, tokenizer) if num_warmup else []
-    return tokenize(cycle_to(base, num_requests), tokenizer), tokenize(warmup, tokenizer)
+    return tokenize(cycle_to(base, num_requests), tokenizer, chat_template), tokenize(warmup, tokenizer)

@@ -78,8 +78,9 @@ _URL = re.compile(r"^([a-z]+://)?[\w.-]+:\d+/?$")
 @click.option(
     "--dataset",
     metavar="FILE|builtin",
-    help='JSONL with {"prompt"|"input_ids", "output_tokens"} per line, or "builtin" for the shipped prompts. '
-    "Default: synthetic lengths (--input-mean/--output-mean).",
+    help='JSONL with {"prompt"|"input_ids", "output_tokens"} per line, or a built-in workload: "builtin" '
+    '(the shipped prompts), "code-edit" (edit a function: answers copy the prompt), "summarize" (one-sentence '
+    "summaries of short articles). Default: synthetic lengths (--input-mean/--output-mean).",
 )
 @click.option("--input-mean", type=click.IntRange(min=1), help="Synthetic prompt length mean [128].")
 @click.option("--input-stdev", type=click.FloatRange(min=0), default=0.0, show_default=True)
@@ -94,6 +95,13 @@ _URL = re.compile(r"^([a-z]+://)?[\w.-]+:\d+/?$")
     default=True,
     show_default=True,
     help="Force every output to its intended length (min_tokens = max_tokens; EOS ignored).",
+)
+@click.option(
+    "--speculation",
+    metavar="MODE[,MODE...]",
+    help="With --in-process: run each speculative mode in turn (none, ngram, draft_model; the config's "
+    "speculative settings) and report decode tok/s, acceptance rate and accepted tokens per step of each. "
+    "Default: the config's speculative.mode (--set speculative.mode=ngram works too).",
 )
 @click.option(
     "--compare",
@@ -153,6 +161,7 @@ def bench(
     output_mean: int | None,
     output_stdev: float,
     min_tokens_equal_max: bool,
+    speculation: str | None,
     compare: str,
     hf_model: Path | None,
     gguf: Path | None,
@@ -179,6 +188,8 @@ def bench(
       llmpipe bench localhost:8001 --hf-model build/smollm2-135m/hf --rate 0.5,1,2 --requests 40
       llmpipe bench http://127.0.0.1:8000 --hf-model build/smollm2-135m/hf --concurrency 4
       llmpipe bench build_configs/smollm2-135m.yaml --in-process --concurrency 1,16 --compare hf,llamacpp,ct2
+      llmpipe bench build_configs/smollm2-135m.yaml --in-process --dataset code-edit --concurrency 1 \\
+          --speculation none,ngram --set speculative.max_draft_len=6
     """
     from pipeline.bench import builds, suite
     from pipeline.bench.workloads import LengthSpec, make_workload
@@ -197,6 +208,12 @@ def bench(
     is_url = _URL.match(target) is not None and not Path(target).is_file()
     if is_url and in_process:
         raise click.UsageError("--in-process needs a CONFIG (the engine to load), not a URL")
+    modes = tuple(m.strip() for m in (speculation or "").split(",") if m.strip())
+    if modes and not in_process:
+        raise click.UsageError(
+            "--speculation needs --in-process: a served engine speculates as its model repository was "
+            "packaged (package one config per mode and bench each)"
+        )
     cfg = None if is_url else _load_config(target, overrides)
     hf_dir = hf_model or (builds.fetched_checkpoint(cfg) if cfg is not None else None)
     if hf_dir is None:
@@ -212,6 +229,7 @@ def bench(
         LengthSpec(output_mean, output_stdev) if output_mean is not None else None,
         seed,
         tokenizer,
+        chat_template=cfg is not None and cfg.serving.apply_chat_template,
     )
     if precision is None and cfg is not None:
         precision = builds.PRECISION_OF_MODE.get(cfg.quantization.mode)
@@ -224,6 +242,8 @@ def bench(
         min_tokens_equal_max=min_tokens_equal_max,
         precision=precision,
         end_id=tokenizer.eos_token_id,
+        speculation=modes,
+        workload=_workload_name(dataset),
     )
     results = suite.run_llmpipe(ours, requests, warmup, plan)
     if peers:
@@ -244,6 +264,7 @@ def bench(
         "num_requests": num_requests,
         "num_warmup": num_warmup,
         "min_tokens_equal_max": min_tokens_equal_max,
+        "speculation": list(modes),
         "seed": seed,
         "hf_model": str(hf_dir),
     }
@@ -252,6 +273,14 @@ def bench(
     click.echo(text)
     click.echo(f"\nwrote {', '.join(str(f) for f in files)}", err=True)
     _raise_if_failed(results)
+
+
+def _workload_name(dataset: str | None) -> str:
+    from pipeline.bench.workloads import BUILTIN_WORKLOADS
+
+    if dataset is None:
+        return "synthetic"
+    return dataset if dataset in BUILTIN_WORKLOADS else Path(dataset).stem
 
 
 def _load_config(path: str, overrides: tuple[str, ...]) -> Any:

@@ -4,6 +4,10 @@ tokenizer (multi-byte characters, SentencePiece spaces: P8) and concatenated del
 
 Each request is served by its own thread (`execute` returns at once), so requests stream concurrently
 even with one BLS instance. A client that cancels gets its engine request stopped with `stop=true`.
+
+With a draft model (`tensorrt_llm_draft_model_name`, TensorRT-LLM's draft-target flow) a request with
+num_draft_tokens > 0 (the input, else the `num_draft_tokens` parameter) runs draft_target's loop instead;
+its rounds' tokens stream as they come, and a cancelled client ends it between rounds.
 """
 
 from __future__ import annotations
@@ -19,9 +23,18 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from pipeline.serving import draft_target
 from pipeline.serving import triton_utils as tu
 from pipeline.serving.detokenizer import IncrementalDetokenizer
-from pipeline.serving.io import CLIENT_INPUTS, ENGINE_OUTPUTS, InvalidInputError
+from pipeline.serving.io import (
+    BLS_INPUTS,
+    ENGINE_OUTPUTS,
+    SPEC_OUTPUTS,
+    InvalidInputError,
+    scalar,
+    speculative_outputs,
+    word_list_to_sequences,
+)
 from pipeline.serving.preprocessing import preprocess
 from pipeline.serving.tokenization import PromptEncoder
 
@@ -58,6 +71,7 @@ _PASS_THROUGH = {
     "return_log_probs": "return_log_probs",
     "stream": "streaming",
     "exclude_input_in_output": "exclude_input_in_output",
+    "return_perf_metrics": "return_perf_metrics",
 }
 
 
@@ -67,6 +81,8 @@ class BlsPlan:
     prompt_ids: list[int]
     streaming: bool
     exclude_input_in_output: bool
+    num_draft_tokens: int | None = None  # the client's num_draft_tokens, when sent
+    return_perf_metrics: bool = False
 
 
 def _flag(inputs: dict[str, np.ndarray], name: str, default: bool) -> bool:
@@ -92,7 +108,17 @@ def plan_request(
     prompt = pre["INPUT_ID"][0, : int(pre["REQUEST_INPUT_LEN"][0, 0])].tolist()
     exclude = _flag(inputs, "exclude_input_in_output", default_exclude_input)
     engine_inputs["exclude_input_in_output"] = np.array([[exclude]], dtype=np.bool_)
-    return BlsPlan(engine_inputs, prompt, _flag(inputs, "stream", False), exclude)
+    num_drafts = scalar(inputs, "num_draft_tokens")
+    if num_drafts is not None and num_drafts < 0:
+        raise InvalidInputError("num_draft_tokens", num_drafts, "must be >= 0 (0 = no speculation)")
+    return BlsPlan(
+        engine_inputs,
+        prompt,
+        _flag(inputs, "stream", False),
+        exclude,
+        num_draft_tokens=None if num_drafts is None else int(num_drafts),
+        return_perf_metrics=_flag(inputs, "return_perf_metrics", False),
+    )
 
 
 class TextAssembler:
@@ -107,6 +133,7 @@ class TextAssembler:
         self.log_probs: list[np.ndarray] = []
         self.num_streamed_log_probs = 0  # streaming: log-probs already sent with earlier text
         self.cum_log_probs = np.zeros((1, 1), dtype=np.float32)
+        self.speculative: dict[str, np.ndarray] = {}  # SPEC_OUTPUTS, sent with the final text
 
     def add(self, engine: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
         """Fold in one engine response; for streaming, the text delta it completes (None: no text yet)."""
@@ -117,6 +144,7 @@ class TextAssembler:
             self.cum_log_probs = np.asarray(engine["cum_log_probs"], dtype=np.float32).reshape(1, 1)
         log_probs = np.asarray(engine.get("output_log_probs", np.zeros(0)), dtype=np.float32).reshape(-1)
         self.log_probs.append(log_probs)
+        self.speculative.update({k: v for k, v in engine.items() if k in SPEC_OUTPUTS})
         if not self.plan.streaming:
             return None
         text = self.detok.add(tokens)
@@ -125,12 +153,15 @@ class TextAssembler:
     def finish(self) -> dict[str, np.ndarray]:
         """The last response: the held-back rest of a stream, or the whole text of a non-streaming request."""
         if self.plan.streaming:
-            return self._outputs(self.detok.flush(), self._unsent_log_probs())
-        if self.plan.exclude_input_in_output:
+            text = self.detok.flush()
+        elif self.plan.exclude_input_in_output:
             text = self.detok.add(self.token_ids) + self.detok.flush()
         else:  # the engine returned prompt + output tokens: decode them like postprocessing does
             text = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special_tokens)
-        return self._outputs(text, self._unsent_log_probs())
+        outputs = self._outputs(text, self._unsent_log_probs())
+        if self.plan.return_perf_metrics:
+            outputs.update(self.speculative)
+        return outputs
 
     def _unsent_log_probs(self) -> np.ndarray:
         """Log-probs of the tokens whose text goes out now (held-back tokens' ones wait with them)."""
@@ -144,6 +175,14 @@ class TextAssembler:
             "cum_log_probs": self.cum_log_probs,
             "output_log_probs": log_probs.reshape(1, 1, -1),
         }
+
+
+class EngineCallError(Exception):
+    """An engine model answered a BLS call with an error; the client gets its message."""
+
+    def __init__(self, model: str, message: str) -> None:
+        super().__init__(f"{model}: {message}")
+        self.invalid_argument = "input '" in message  # the engine named a bad input: the client's mistake
 
 
 def _as_numpy(response: Any) -> dict[str, np.ndarray]:
@@ -164,6 +203,15 @@ class BlsModel:
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         self.engine_decoupled = params.boolean("decoupled_mode", self.decoupled)
         self.engine_model = params.string("tensorrt_llm_model_name", "tensorrt_llm")
+        self.draft_model = params.string("tensorrt_llm_draft_model_name", "")
+        self.num_draft_tokens = params.integer("num_draft_tokens", 0, minimum=0)
+        if self.num_draft_tokens and not self.draft_model:
+            raise tu.ParameterError(
+                args["model_name"],
+                "num_draft_tokens",
+                self.num_draft_tokens,
+                "drafts need a draft model: set tensorrt_llm_draft_model_name, or use 0",
+            )
         self.skip_special_tokens = params.boolean("skip_special_tokens", True)
         self.exclude_input_in_output = params.boolean("exclude_input_in_output", False)
         self.max_seq_len = params.optional_integer("max_seq_len", minimum=2)
@@ -176,7 +224,7 @@ class BlsModel:
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
-            inputs = tu.request_inputs(request, CLIENT_INPUTS)
+            inputs = tu.request_inputs(request, BLS_INPUTS)
             sender = request.get_response_sender()
             threading.Thread(
                 target=self._serve, args=(inputs, sender), name="llmpipe-bls", daemon=True
@@ -188,19 +236,36 @@ class BlsModel:
             plan = plan_request(self.encoder, inputs, self.max_seq_len, self.exclude_input_in_output)
             if plan.streaming and not self.decoupled:
                 raise InvalidInputError("stream", True, "this deployment is not decoupled and cannot stream")
+            num_drafts = self._num_draft_tokens(plan)
         except InvalidInputError as err:
             sender.send(tu.error_response(str(err)), flags=tu.FINAL)
             return
         try:
-            self._generate(plan, sender)
+            if num_drafts:
+                self._generate_draft_target(plan, num_drafts, sender)
+            else:
+                self._generate(plan, sender)
+        except EngineCallError as err:
+            sender.send(tu.error_response(str(err), invalid_argument=err.invalid_argument), flags=tu.FINAL)
         except Exception as err:  # never let one request take the stub down
             tu.log_error(f"tensorrt_llm_bls: request failed: {err!r}")
             sender.send(tu.error_response(f"tensorrt_llm_bls: {err}", invalid_argument=False), flags=tu.FINAL)
 
-    def _engine_request(self, inputs: dict[str, np.ndarray], request_id: str) -> Any:
+    def _num_draft_tokens(self, plan: BlsPlan) -> int:
+        wanted = self.num_draft_tokens if plan.num_draft_tokens is None else plan.num_draft_tokens
+        if wanted and not self.draft_model:
+            raise InvalidInputError(
+                "num_draft_tokens",
+                wanted,
+                "this deployment has no draft model (tensorrt_llm_draft_model_name); a torch engine "
+                "speculates by itself when its build config sets speculative.mode",
+            )
+        return wanted
+
+    def _engine_request(self, inputs: dict[str, np.ndarray], request_id: str, model: str = "") -> Any:
         tensors = [pb_utils.Tensor(name, value) for name, value in inputs.items()]
         return pb_utils.InferenceRequest(
-            model_name=self.engine_model,
+            model_name=model or self.engine_model,
             inputs=tensors,
             request_id=request_id,
             requested_output_names=list(ENGINE_OUTPUTS),
@@ -224,14 +289,7 @@ class BlsModel:
             if cancelled:
                 continue  # drain: the engine ends the stream with its response to the abort
             if response.has_error():
-                message = response.error().message()
-                sender.send(
-                    tu.error_response(
-                        f"{self.engine_model}: {message}", invalid_argument="input '" in message
-                    ),
-                    flags=tu.FINAL,
-                )
-                return
+                raise EngineCallError(self.engine_model, response.error().message())
             engine = _as_numpy(response)
             if "output_ids" not in engine:
                 continue
@@ -242,6 +300,57 @@ class BlsModel:
             sender.send(flags=tu.FINAL)
         else:
             sender.send(tu.make_response(assembler.finish()), flags=tu.FINAL)
+
+    def _call(self, model: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """One non-streaming engine request; its outputs."""
+        found: dict[str, np.ndarray] = {}
+        for response in self._responses(self._engine_request(inputs, f"bls-{uuid.uuid4().hex}", model)):
+            if response.has_error():
+                raise EngineCallError(model, response.error().message())
+            found.update(_as_numpy(response))
+        return found
+
+    def _generate_draft_target(self, plan: BlsPlan, num_draft_tokens: int, sender: Any) -> None:
+        engine_inputs = plan.engine_inputs
+        end_id = int(np.asarray(engine_inputs["end_id"]).reshape(-1)[0]) if "end_id" in engine_inputs else -1
+        stop_words = engine_inputs.get("stop_words_list")
+        request = draft_target.DraftTargetRequest(
+            engine_inputs=engine_inputs,
+            prompt_ids=plan.prompt_ids,
+            max_tokens=int(np.asarray(engine_inputs["request_output_len"]).reshape(-1)[0]),
+            min_tokens=int(scalar(engine_inputs, "min_tokens") or 0),
+            num_draft_tokens=num_draft_tokens,
+            end_id=end_id if end_id >= 0 else None,
+            stop_words=word_list_to_sequences(
+                "stop_words_list", None if stop_words is None else np.asarray(stop_words)[0]
+            ),
+        )
+        assembler = TextAssembler(self.encoder.tokenizer, plan, self.skip_special_tokens)
+        # A non-streaming response without exclude_input_in_output carries the prompt, as the engine's would.
+        shown_prompt = [] if plan.streaming or plan.exclude_input_in_output else plan.prompt_ids
+        num_drafts = num_accepted = 0
+        cum_log_prob = 0.0
+        for step in draft_target.rounds(self._call, self.draft_model, self.engine_model, request):
+            num_drafts += step.num_draft_tokens
+            num_accepted += step.num_accepted_draft_tokens
+            log_probs = step.log_probs if step.log_probs is not None else np.zeros(len(step.token_ids))
+            cum_log_prob += float(np.sum(log_probs))
+            tokens, shown_prompt = shown_prompt + step.token_ids, []
+            delta = assembler.add(
+                {
+                    "output_ids": np.array(tokens, dtype=np.int32),
+                    "sequence_length": np.array([[len(tokens)]], dtype=np.int32),
+                    "cum_log_probs": np.array([[cum_log_prob]], dtype=np.float32),
+                    "output_log_probs": np.asarray(log_probs, dtype=np.float32),
+                }
+            )
+            if delta is not None:
+                sender.send(tu.make_response(delta))
+            if sender.is_cancelled():  # between rounds: nothing of ours is left running in the engines
+                sender.send(flags=tu.FINAL)
+                return
+        assembler.speculative.update(speculative_outputs(num_drafts, num_accepted))
+        sender.send(tu.make_response(assembler.finish()), flags=tu.FINAL)
 
     def _stop_engine(self, request_id: str) -> None:
         """Cancel our engine request: tensorrtllm_backend's `stop` input, with the same request id."""

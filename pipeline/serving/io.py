@@ -23,16 +23,25 @@ ENGINE_INPUTS: dict[str, str] = {
     "stop_words_list": "i", "bad_words_list": "i", "runtime_top_k": "i", "runtime_top_p": "f",
     "temperature": "f", "repetition_penalty": "f", "presence_penalty": "f", "frequency_penalty": "f",
     "min_tokens": "i", "seed": "u", "return_log_probs": "b", "streaming": "b", "stop": "b",
-    "exclude_input_in_output": "b",
+    "exclude_input_in_output": "b", "return_perf_metrics": "b",
+    "draft_input_ids": "i", "draft_logits": "f", "draft_acceptance_threshold": "f",
 }  # fmt: skip
-ENGINE_OUTPUTS = ("output_ids", "sequence_length", "cum_log_probs", "output_log_probs")
+# External draft tokens (TensorRT-LLM's draft-target flow, fed by the BLS): the torch engine drafts for
+# itself, so it refuses these rather than silently decoding without them.
+DRAFT_INPUTS = ("draft_input_ids", "draft_logits", "draft_acceptance_threshold")
+# TensorRT-LLM's per-request speculative-decoding outputs, sent with the final response when the request
+# sets return_perf_metrics (as tensorrtllm_backend does).
+SPEC_OUTPUTS = ("acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens")
+ENGINE_OUTPUTS = ("output_ids", "sequence_length", "cum_log_probs", "output_log_probs", *SPEC_OUTPUTS)
 # The ensemble's and the BLS's tensors (tensorrtllm_backend's names), what clients send and receive.
 CLIENT_INPUTS = (
     "text_input", "max_tokens", "bad_words", "stop_words", "end_id", "pad_id", "top_k", "top_p", "temperature",
     "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens", "seed", "return_log_probs",
-    "stream", "exclude_input_in_output",
+    "stream", "exclude_input_in_output", "return_perf_metrics",
 )  # fmt: skip
-CLIENT_OUTPUTS = ("text_output", "cum_log_probs", "output_log_probs")
+# The BLS also takes the draft length of its draft-target loop (tensorrtllm_backend's BLS input).
+BLS_INPUTS = (*CLIENT_INPUTS, "num_draft_tokens")
+CLIENT_OUTPUTS = ("text_output", "cum_log_probs", "output_log_probs", *SPEC_OUTPUTS)
 SAMPLING_INPUTS = ("runtime_top_k", "runtime_top_p", "temperature")
 
 
@@ -64,6 +73,7 @@ class EngineRequest:
     params: SamplingParams
     streaming: bool
     exclude_input_in_output: bool
+    return_perf_metrics: bool = False  # add SPEC_OUTPUTS to the final response
 
 
 @dataclass(frozen=True)
@@ -208,6 +218,7 @@ def parse_engine_request(
     """Validate a `tensorrt_llm` request; raises InvalidInputError naming the input, value and limit."""
     if scalar(inputs, "stop"):
         return StopRequest()
+    _refuse_external_drafts(inputs)
     prompt = _prompt(inputs, limits)
     max_tokens = scalar(inputs, "request_output_len")
     if max_tokens is None:
@@ -267,8 +278,35 @@ def parse_engine_request(
             raise
         raise InvalidInputError("sampling", "(combination)", str(err)) from None
     return EngineRequest(
-        prompt, params, streaming, default_exclude_input if exclude is None else bool(exclude)
+        prompt,
+        params,
+        streaming,
+        default_exclude_input if exclude is None else bool(exclude),
+        return_perf_metrics=bool(scalar(inputs, "return_perf_metrics") or False),
     )
+
+
+def _refuse_external_drafts(inputs: Inputs) -> None:
+    """An empty draft_input_ids means "no drafts" and passes; anything else is TensorRT-LLM's flow."""
+    for name in DRAFT_INPUTS:
+        array = _array(inputs, name)
+        if array is not None and (name != "draft_input_ids" or array.size):
+            raise InvalidInputError(
+                name,
+                array,
+                "the torch engine drafts its own tokens (build with speculative.mode ngram or draft_model); "
+                "external draft tokens are TensorRT-LLM's draft-target flow (backend trtllm)",
+            )
+
+
+def speculative_outputs(num_draft_tokens: int, num_accepted_draft_tokens: int) -> dict[str, np.ndarray]:
+    """SPEC_OUTPUTS, `[batch=1, 1]` each; acceptance_rate is 0 when nothing was drafted."""
+    rate = num_accepted_draft_tokens / num_draft_tokens if num_draft_tokens else 0.0
+    return {
+        "acceptance_rate": np.array([[rate]], dtype=np.float32),
+        "total_accepted_draft_tokens": np.array([[num_accepted_draft_tokens]], dtype=np.int32),
+        "total_draft_tokens": np.array([[num_draft_tokens]], dtype=np.int32),
+    }
 
 
 def engine_outputs(

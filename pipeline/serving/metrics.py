@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pipeline.runtime.metrics import LATENCY_BUCKETS_S, MetricsSnapshot
+from pipeline.runtime.spec_decode.metrics import SpecDecodeStats
 
 REQUEST_FAMILY = "nv_trt_llm_request_metrics"
 KV_FAMILY = "nv_trt_llm_kv_cache_block_metrics"
@@ -20,6 +21,11 @@ TTFT_FAMILY = "llmpipe_time_to_first_token_seconds"
 ITL_FAMILY = "llmpipe_inter_token_latency_seconds"
 FINISHED_FAMILY = "llmpipe_requests_finished_total"
 TOKENS_FAMILY = "llmpipe_generated_tokens_total"
+# Speculative decoding, counted when a request finishes: acceptance rate = accepted / draft tokens, accepted
+# tokens per step = accepted tokens / decode steps (each step also adds one token of the target's own).
+SPEC_TOKENS_FAMILY = "llmpipe_spec_decode_tokens_total"
+SPEC_STEPS_FAMILY = "llmpipe_spec_decode_steps_total"
+SPEC_RATE_FAMILY = "llmpipe_spec_decode_acceptance_rate"
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
@@ -55,6 +61,21 @@ class EngineMetricsExporter:
             TOKENS_FAMILY: family(
                 name=TOKENS_FAMILY, description="Output tokens generated", kind=family.COUNTER
             ),
+            SPEC_TOKENS_FAMILY: family(
+                name=SPEC_TOKENS_FAMILY,
+                description="Speculative draft tokens of finished requests: verified (draft) and accepted",
+                kind=family.COUNTER,
+            ),
+            SPEC_STEPS_FAMILY: family(
+                name=SPEC_STEPS_FAMILY,
+                description="Decode steps of finished requests (each adds its accepted drafts plus one token)",
+                kind=family.COUNTER,
+            ),
+            SPEC_RATE_FAMILY: family(
+                name=SPEC_RATE_FAMILY,
+                description="Accepted / draft tokens over the finished requests since the model loaded",
+                kind=family.GAUGE,
+            ),
         }
         requests, kv = self._families[REQUEST_FAMILY], self._families[KV_FAMILY]
         self.requests = {
@@ -72,6 +93,13 @@ class EngineMetricsExporter:
             for reason in FINISH_REASONS
         }
         self.tokens = self._families[TOKENS_FAMILY].Metric(labels=labels)
+        self.spec_tokens = {
+            kind: self._families[SPEC_TOKENS_FAMILY].Metric(labels={**labels, "token_type": kind})
+            for kind in ("draft", "accepted")
+        }
+        self.spec_steps = self._families[SPEC_STEPS_FAMILY].Metric(labels=labels)
+        self.spec_rate = self._families[SPEC_RATE_FAMILY].Metric(labels=labels)
+        self._num_draft_tokens = self._num_accepted_draft_tokens = 0
         self.requests["max"].set(max_batch_size)
         self.kv_blocks["tokens_per"].set(tokens_per_block)
 
@@ -95,3 +123,18 @@ class EngineMetricsExporter:
         metric = self.finished.get(reason or "error")
         if metric is not None:
             metric.increment(1)
+
+    def count_speculation(self, stats: SpecDecodeStats) -> None:
+        """A finished request's drafts (all zero when the engine does not speculate)."""
+        counts = (
+            (self.spec_tokens["draft"], stats.num_draft_tokens),
+            (self.spec_tokens["accepted"], stats.num_accepted_draft_tokens),
+            (self.spec_steps, stats.num_decode_steps),
+        )
+        for metric, count in counts:
+            if count:
+                metric.increment(count)
+        self._num_draft_tokens += stats.num_draft_tokens
+        self._num_accepted_draft_tokens += stats.num_accepted_draft_tokens
+        if self._num_draft_tokens:
+            self.spec_rate.set(self._num_accepted_draft_tokens / self._num_draft_tokens)

@@ -10,6 +10,11 @@ Layout (relocatable: paths inside are relative to each model's version folder):
     tensorrt_llm/config.pbtxt, tensorrt_llm/1/{model.py, engine/}      (torch: engine hard-linked in)
     postprocessing/config.pbtxt, postprocessing/1/{model.py, tokenizer/}
     tensorrt_llm_bls/config.pbtxt, tensorrt_llm_bls/1/{model.py, tokenizer/}
+    tensorrt_llm_draft/config.pbtxt, tensorrt_llm_draft/1/                (trtllm draft-target only)
+
+TensorRT-LLM's draft-target speculation (trtllm, speculative.mode=draft_model) runs in the BLS: the draft
+engine is served as `tensorrt_llm_draft` (the tensorrt_llm template, like tensorrtllm_backend's copy of it)
+and the BLS names it in `tensorrt_llm_draft_model_name`. The torch engine drafts for itself: no extra model.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import hashlib
 import json
 import shutil
 import string
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +33,7 @@ from pipeline.errors import ConfigError, MissingArtifactError
 from pipeline.serving.pbtxt import check_ensemble, parse_model_config
 
 MODELS = ("ensemble", "preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls")
+DRAFT_MODEL = "tensorrt_llm_draft"
 TOKENIZER_MODELS = ("preprocessing", "postprocessing", "tensorrt_llm_bls")
 TEMPLATE_NAME = "config.pbtxt.tmpl"
 ENGINE_SUBDIR = "engine"
@@ -86,10 +93,40 @@ def torch_parameters(cfg: BuildConfig) -> dict[str, str]:
     return params
 
 
+@dataclass(frozen=True)
+class DraftEngine:
+    """The draft model of TensorRT-LLM's draft-target flow: its build config and the engine path the
+    server opens."""
+
+    cfg: BuildConfig
+    engine_dir: Path
+
+
+def serves_draft_model(cfg: BuildConfig) -> bool:
+    return cfg.backend == "trtllm" and cfg.speculative.mode == "draft_model"
+
+
+def draft_engine(cfg: BuildConfig) -> DraftEngine:
+    """speculative.draft_config's engine (the path is read like the torch build reads it: from the
+    current directory)."""
+    from pipeline.config import load_build_config
+    from pipeline.stages import STAGES
+    from pipeline.stages.runner import stage_dir
+
+    assert cfg.speculative.draft_config is not None  # the config validator requires it for draft_model
+    draft = load_build_config(cfg.speculative.draft_config)
+    return DraftEngine(draft, stage_dir(draft, STAGES["engine"]).resolve())
+
+
 def template_values(cfg: BuildConfig, engine_param_path: Path | None = None) -> dict[str, str]:
     """Every placeholder the templates may use, from the build config."""
     serving, engine = cfg.serving, cfg.engine
+    drafting = serves_draft_model(cfg)
     values = {
+        "tensorrt_llm_model_name": "tensorrt_llm",
+        "tensorrt_llm_draft_model_name": DRAFT_MODEL if drafting else "",
+        "num_draft_tokens": str(cfg.speculative.max_draft_len) if drafting else "0",
+        "logits_datatype": "TYPE_FP32",
         "triton_backend": "python",
         "triton_max_batch_size": str(serving.triton_max_batch_size or engine.max_batch_size),
         "decoupled_mode": _flag(serving.decoupled),
@@ -160,17 +197,45 @@ def _check_engine_dir(cfg: BuildConfig, engine_dir: Path) -> None:
         )
 
 
+def _read_template(templates: Path, model: str) -> str:
+    path = templates / model / TEMPLATE_NAME
+    if not path.is_file():
+        raise MissingArtifactError(f"template {path} is missing")
+    return path.read_text(encoding="utf-8")
+
+
+def _check_draft_engine_dir(cfg: BuildConfig, draft: DraftEngine) -> None:
+    if not (draft.engine_dir / "config.json").is_file():
+        raise MissingArtifactError(
+            f"speculative.draft_config={cfg.speculative.draft_config} has no engine at {draft.engine_dir}",
+            hint=f"Build the draft model first: llmpipe build {cfg.speculative.draft_config}",
+        )
+
+
 def render_configs(
-    cfg: BuildConfig, templates: Path, engine_param_path: Path | None = None
+    cfg: BuildConfig,
+    templates: Path,
+    engine_param_path: Path | None = None,
+    draft: DraftEngine | None = None,
 ) -> dict[str, str]:
-    """model name -> rendered, parsed and cross-checked config.pbtxt text. Writes nothing."""
+    """model name -> rendered, parsed and cross-checked config.pbtxt text. Writes nothing. `draft` (trtllm
+    draft-target only) defaults to speculative.draft_config's engine."""
     values = template_values(cfg, engine_param_path)
+    texts = {model: (model, values) for model in MODELS}
+    if serves_draft_model(cfg):
+        from pipeline.backends.trtllm.triton_params import tensorrt_llm_parameters
+
+        draft = draft or draft_engine(cfg)
+        # The target's deployment (batching, decoupled) with the draft engine's own parameters.
+        draft_values = {
+            **values,
+            "tensorrt_llm_model_name": DRAFT_MODEL,
+            "tensorrt_llm_parameters": parameters_block(tensorrt_llm_parameters(draft.cfg, draft.engine_dir)),
+        }
+        texts[DRAFT_MODEL] = ("tensorrt_llm", draft_values)
     rendered, parsed = {}, {}
-    for model in MODELS:
-        path = templates / model / TEMPLATE_NAME
-        if not path.is_file():
-            raise MissingArtifactError(f"template {path} is missing")
-        rendered[model] = render_template(model, path.read_text(encoding="utf-8"), values)
+    for model, (template, model_values) in texts.items():
+        rendered[model] = render_template(model, _read_template(templates, template), model_values)
         parsed[model] = parse_model_config(model, rendered[model])
     check_ensemble(parsed)
     return rendered
@@ -184,8 +249,11 @@ def render_model_repository(
     templates = templates or templates_dir()
     _check_engine_dir(cfg, engine_dir)
     carries_engine = cfg.backend == "torch"
+    draft = draft_engine(cfg) if serves_draft_model(cfg) else None
+    if draft is not None:
+        _check_draft_engine_dir(cfg, draft)
     # TensorRT-LLM's C++ backend opens gpt_model_path as given: point it at the engine stage's folder.
-    configs = render_configs(cfg, templates, None if carries_engine else engine_dir)
+    configs = render_configs(cfg, templates, None if carries_engine else engine_dir, draft)
     out_dir.mkdir(parents=True, exist_ok=True)
     for model, text in configs.items():
         version = out_dir / model / "1"
@@ -203,8 +271,8 @@ def render_model_repository(
             )
     for model in TOKENIZER_MODELS:
         link_tree(engine_dir / TOKENIZER_SUBDIR, out_dir / model / "1" / TOKENIZER_SUBDIR)
-    return {
-        "models": list(MODELS),
+    facts: dict[str, Any] = {
+        "models": list(configs),
         "backend": cfg.backend,
         "triton_backend": "python" if carries_engine else "tensorrtllm",
         "decoupled": cfg.serving.decoupled,
@@ -214,3 +282,6 @@ def render_model_repository(
         "config_sha256": {m: hashlib.sha256(t.encode()).hexdigest() for m, t in configs.items()},
         "tool_packages": ["tritonclient"],
     }
+    if draft is not None:
+        facts["draft_engine"] = str(draft.engine_dir)
+    return facts

@@ -15,8 +15,9 @@ from typing import Any
 import numpy as np
 
 from pipeline.runtime.outputs import RequestOutput
+from pipeline.runtime.spec_decode.metrics import spec_decode_stats
 from pipeline.serving.detokenizer import IncrementalDetokenizer
-from pipeline.serving.io import EngineRequest, engine_outputs
+from pipeline.serving.io import EngineRequest, engine_outputs, speculative_outputs
 
 
 @dataclass
@@ -106,8 +107,16 @@ class RequestState:
             reply = Reply(self._full_outputs(), final=True)
         else:
             reply = Reply(None, final=False)
+        if reply.final and reply.outputs is not None and self.request.return_perf_metrics:
+            reply.outputs.update(self._speculative_outputs(output))
         self._latency(reply, len(output.new_token_ids), now)
         return reply
+
+    def _speculative_outputs(self, output: RequestOutput) -> dict[str, np.ndarray]:
+        if output.stats is None:
+            return speculative_outputs(0, 0)
+        stats = spec_decode_stats(output.stats, output.num_output_tokens)
+        return speculative_outputs(stats.num_draft_tokens, stats.num_accepted_draft_tokens)
 
     def _stream_reply(self, output: RequestOutput) -> Reply:
         ready = len(self.token_ids)

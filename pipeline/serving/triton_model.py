@@ -26,6 +26,7 @@ from pipeline.runtime.async_engine import EngineThread, QueueFullError
 from pipeline.runtime.engine import LLMEngine
 from pipeline.runtime.engine_config import TOKENIZER_DIR, load_engine_config
 from pipeline.runtime.outputs import RequestOutput
+from pipeline.runtime.spec_decode.metrics import spec_decode_stats
 from pipeline.serving import triton_utils as tu
 from pipeline.serving.io import (
     ENGINE_INPUTS,
@@ -157,6 +158,10 @@ class TorchEngineModel:
             return
         triton_id = request.request_id()
         if isinstance(parsed, StopRequest):
+            if not triton_id:  # tensorrtllm_backend refuses it too: nothing tells which request to stop
+                message = "names no request: send it with the request id of the request to cancel"
+                _send(sender, tu.error_response(str(InvalidInputError("stop", True, message))), final=True)
+                return
             self._stop(triton_id)
             _send(sender, tu.make_response(engine_outputs([], None, 0.0)), final=True)
             return
@@ -239,6 +244,8 @@ class TorchEngineModel:
         if output.finished:
             self._forget(output.request_id)
             self.metrics.count_finished(output.finish_reason)
+            if output.stats is not None:
+                self.metrics.count_speculation(spec_decode_stats(output.stats, output.num_output_tokens))
         if reply.error is not None:
             _send(state.sender, tu.error_response(reply.error, invalid_argument=False), final=True)
         elif reply.outputs is not None:

@@ -6,6 +6,7 @@ the parameters make a ModelConfig that Triton's protobuf schema parses."""
 from __future__ import annotations
 
 import itertools
+import json
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,16 @@ from pipeline.backends.trtllm.triton_params import tensorrt_llm_header, tensorrt
 from pipeline.backends.trtllm.versions import FLAG_CHOICES, PINNED, RELEASES
 from pipeline.config import BACKEND_QUANT_MODES, BuildConfig
 from pipeline.errors import ConfigError
-from tests.contract.render import EXPECTED_DIR, config_paths, contract_files, load, work_paths
+from pipeline.serving.repository import DRAFT_MODEL
+from tests.contract.render import (
+    CONFIG_DIR,
+    EXPECTED_DIR,
+    config_paths,
+    contract_files,
+    draft_of,
+    load,
+    work_paths,
+)
 
 CONFIGS = config_paths()
 
@@ -178,3 +188,60 @@ def test_dockerfile_builds_on_the_pinned_serving_image() -> None:
     assert f"ARG BASE_IMAGE={RELEASES[PINNED].triton_container}\n" in dockerfile
     assert "FROM ${BASE_IMAGE}" in dockerfile
     assert "--no-deps" in dockerfile  # the image's torch / transformers / tensorrt_llm stay untouched
+
+
+# tensorrtllm_backend's speculative tensors on tensorrt_llm (REFERENCE.md §3.4): name -> (type, dims)
+SPECULATIVE_INPUTS = {
+    "draft_input_ids": ("TYPE_INT32", [-1]),
+    "draft_logits": ("TYPE_FP32", [-1, -1]),  # ${logits_datatype}
+    "draft_acceptance_threshold": ("TYPE_FP32", [1]),
+    "return_perf_metrics": ("TYPE_BOOL", [1]),
+}
+SPECULATIVE_OUTPUTS = {
+    "acceptance_rate": ("TYPE_FP32", [1]),
+    "total_accepted_draft_tokens": ("TYPE_INT32", [1]),
+    "total_draft_tokens": ("TYPE_INT32", [1]),
+}
+
+
+def _tensors(tensors) -> dict[str, tuple[str, list[int], bool]]:  # type: ignore[no-untyped-def]
+    return {
+        t.name: (model_config_pb2.DataType.Name(t.data_type), list(t.dims), getattr(t, "optional", False))
+        for t in tensors
+    }
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_speculative_tensors_have_tensorrtllm_backends_types(path: Path) -> None:
+    text = (EXPECTED_DIR / load(path).name / "tensorrt_llm.config.pbtxt").read_text()
+    model = text_format.Parse(text, model_config_pb2.ModelConfig())
+    inputs, outputs = _tensors(model.input), _tensors(model.output)
+    for name, (dtype, dims) in SPECULATIVE_INPUTS.items():
+        assert inputs[name] == (dtype, dims, True), name  # optional: plain requests never send them
+    for name, (dtype, dims) in SPECULATIVE_OUTPUTS.items():
+        assert outputs[name][:2] == (dtype, dims), name
+
+
+def test_draft_target_serves_the_draft_engine_and_names_it_in_the_bls() -> None:
+    cfg = load(CONFIG_DIR / "draft-target.yaml")
+    draft = draft_of(cfg)
+    assert draft is not None and draft.cfg.name == "draft-target.draft"
+    files = contract_files(cfg)
+    bls = json.loads(files["tensorrt_llm_bls.parameters.json"])
+    assert bls["tensorrt_llm_model_name"] == "tensorrt_llm"
+    assert bls["tensorrt_llm_draft_model_name"] == DRAFT_MODEL == "tensorrt_llm_draft"
+    assert bls["num_draft_tokens"] == str(cfg.speculative.max_draft_len)
+    model = text_format.Parse(files[f"{DRAFT_MODEL}.config.pbtxt"], model_config_pb2.ModelConfig())
+    assert (model.name, model.backend) == (DRAFT_MODEL, "tensorrtllm")
+    params = {k: v.string_value for k, v in model.parameters.items()}
+    assert params == tensorrt_llm_parameters(draft.cfg, work_paths(draft.cfg)[1])
+    assert params["gpt_model_path"] == "build/draft-target.draft/engine"
+    assert set(params) <= _parameter_names()
+    # Same tensors as the target: the BLS calls both the same way.
+    target = text_format.Parse(files["tensorrt_llm.config.pbtxt"], model_config_pb2.ModelConfig())
+    assert _tensors(model.input) == _tensors(target.input)
+    assert _tensors(model.output) == _tensors(target.output)
+    for other in CONFIGS:
+        if other.stem != "draft-target":
+            other_bls = json.loads(contract_files(load(other))["tensorrt_llm_bls.parameters.json"])
+            assert (other_bls["tensorrt_llm_draft_model_name"], other_bls["num_draft_tokens"]) == ("", "0")

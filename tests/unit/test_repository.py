@@ -66,9 +66,9 @@ def test_tensor_names_match_the_serving_code(repo: Path) -> None:
     engine = _config(repo, "tensorrt_llm")
     assert [i.name for i in engine.input] == list(io.ENGINE_INPUTS)
     assert [o.name for o in engine.output] == list(io.ENGINE_OUTPUTS)
-    for model in ("ensemble", "tensorrt_llm_bls"):
+    for model, inputs in (("ensemble", io.CLIENT_INPUTS), ("tensorrt_llm_bls", io.BLS_INPUTS)):
         config = _config(repo, model)
-        assert tuple(i.name for i in config.input) == io.CLIENT_INPUTS
+        assert tuple(i.name for i in config.input) == inputs
         assert tuple(o.name for o in config.output) == io.CLIENT_OUTPUTS
     assert set(client.request_json("x", client.GenerationOptions(stream=True))) <= set(io.CLIENT_INPUTS)
 
@@ -118,7 +118,7 @@ def _templates(tmp_path: Path, model: str, old: str, new: str) -> Path:
             "tensorrt_llm",
             "data_type: TYPE_INT32 dims: [ -1 ] allow",
             "data_type: TYPE_INT33 dims: [ -1 ] allow",
-            "model 'tensorrt_llm': config.pbtxt line 13: field data_type value 'TYPE_INT33' is invalid (Enum type",
+            "model 'tensorrt_llm': config.pbtxt line 14: field data_type value 'TYPE_INT33' is invalid (Enum type",
         ),
         (
             "ensemble",

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from pipeline.bench.metrics import DraftCounts
 from pipeline.bench.workloads import BenchRequest
 from pipeline.errors import ServingError
 
@@ -25,6 +26,8 @@ class InProcessTarget:
         self.min_tokens_equal_max = min_tokens_equal_max
         self.end_id = end_id
         self._ids = itertools.count()
+        # the engine's own speculation (its build config, or speculative_* engine overrides)
+        self.speculates = engine_thread.engine.proposer is not None
 
     @classmethod
     def from_engine_dir(
@@ -42,8 +45,9 @@ class InProcessTarget:
         engine = LLMEngine.from_engine_dir(engine_dir, **(engine_overrides or {}))
         return cls(EngineThread(engine, max_pending=max_pending), **kwargs)
 
-    def stream(self, request: BenchRequest) -> Iterator[int]:
+    def stream(self, request: BenchRequest) -> Iterator[int | DraftCounts]:
         from pipeline.runtime.sampling_params import SamplingParams
+        from pipeline.runtime.spec_decode.metrics import spec_decode_stats
 
         if request.input_ids is None:
             raise ValueError(f"request {request.index} has no input_ids (tokenize the workload first)")
@@ -60,6 +64,9 @@ class InProcessTarget:
                     f"request ended with {output.finish_reason}: {output.error or 'no detail'}"
                 )
             yield len(output.new_token_ids)
+            if self.speculates and output.stats is not None:
+                stats = spec_decode_stats(output.stats, output.num_output_tokens)
+                yield DraftCounts(stats.num_draft_tokens, stats.num_accepted_draft_tokens)
 
     def close(self) -> None:
         self.engine_thread.shutdown()

@@ -2,9 +2,11 @@
 
 Two models can be driven: `ensemble` (text in, text out: tokenization and detokenization included, what a
 user calls) and `tensorrt_llm` (token ids in and out, like tensorrtllm_backend's benchmark_core_model.py).
-Each streamed response is one engine step's delta for the request; for the ensemble, whose text does not
-say how many tokens it holds, a response counts as one token (exact unless speculative decoding emits
-several per step; the tensorrt_llm model reports ids and is exact).
+Each streamed response is one engine step's delta for the request. The tensorrt_llm model's ids say how
+many tokens it holds; the ensemble's text does not, so its tokens are counted from output_log_probs (one
+value per token in llmpipe's responses, also with speculative decoding's several tokens per step), else
+as one per response. Where the model takes `return_perf_metrics`, requests set it and the final
+response's acceptance outputs become the record's draft counts.
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from pipeline.bench.metrics import DraftCounts
 from pipeline.bench.workloads import BenchRequest
 from pipeline.errors import ServingError
 
 MODELS = ("ensemble", "tensorrt_llm")
+PERF_METRICS_INPUT = "return_perf_metrics"
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,10 @@ class ModelInputs:
 
     names: frozenset[str]
     batched: bool  # max_batch_size > 0: every tensor carries a leading batch dim of 1
+
+    @property
+    def reports_drafts(self) -> bool:
+        return PERF_METRICS_INPUT in self.names
 
     @property
     def min_tokens_name(self) -> str | None:
@@ -49,6 +57,22 @@ def parse_url(url: str) -> tuple[str, str]:
             hint="use host:port (gRPC, e.g. localhost:8001), grpc://host:port or http://host:port",
         )
     return parts.scheme, f"{parts.hostname}:{parts.port}"
+
+
+def draft_counts(num_draft_tokens: Any, num_accepted_draft_tokens: Any) -> DraftCounts | None:
+    """From TensorRT-LLM's total_draft_tokens / total_accepted_draft_tokens outputs (arrays or JSON)."""
+    if num_draft_tokens is None or num_accepted_draft_tokens is None:
+        return None
+    return DraftCounts(
+        int(np.asarray(num_draft_tokens).reshape(-1)[0]),
+        int(np.asarray(num_accepted_draft_tokens).reshape(-1)[0]),
+    )
+
+
+def ensemble_token_count(output_log_probs: Any) -> int:
+    """Tokens in one ensemble response: its log-prob values, one per token; 1 when it carries none."""
+    size = 0 if output_log_probs is None else int(np.asarray(output_log_probs).size)
+    return size or 1
 
 
 def _scalar_params(request: BenchRequest, inputs: ModelInputs, min_tokens_equal_max: bool) -> dict[str, Any]:
@@ -147,9 +171,11 @@ class TritonGrpcTarget:
                 self._tensor("streaming", np.array([True]), "BOOL"),
             ]
         tensors += [self._tensor(k, np.array([v], dtype=np.int32), "INT32") for k, v in scalars.items()]
+        if self.inputs.reports_drafts:
+            tensors.append(self._tensor(PERF_METRICS_INPUT, np.array([True]), "BOOL"))
         return tensors
 
-    def stream(self, request: BenchRequest) -> Iterator[int]:
+    def stream(self, request: BenchRequest) -> Iterator[int | DraftCounts]:
         client, responses = self._session()
         request_id = f"bench-{next(self._ids)}"
         client.async_stream_infer(
@@ -168,6 +194,11 @@ class TritonGrpcTarget:
             final = response.parameters.get("triton_final_response")
             if response.outputs:
                 yield self._count(result)
+                drafts = draft_counts(
+                    result.as_numpy("total_draft_tokens"), result.as_numpy("total_accepted_draft_tokens")
+                )
+                if drafts is not None:
+                    yield drafts
             if final is not None and final.bool_param:
                 return
 
@@ -175,7 +206,7 @@ class TritonGrpcTarget:
         if self.model == "tensorrt_llm":
             ids = result.as_numpy("output_ids")
             return 0 if ids is None else int(ids.shape[-1])
-        return 1
+        return ensemble_token_count(result.as_numpy("output_log_probs"))
 
     def close(self) -> None:
         with self._lock:
@@ -229,7 +260,7 @@ class TritonHttpTarget:
         names = frozenset(i["name"] for i in config.get("input", []))
         return ModelInputs(names, int(config.get("max_batch_size", 0)) > 0)
 
-    def stream(self, request: BenchRequest) -> Iterator[int]:
+    def stream(self, request: BenchRequest) -> Iterator[int | DraftCounts]:
         if request.prompt is None:
             raise ValueError(f"request {request.index} has no prompt text (pass a tokenizer)")
         body = {
@@ -238,6 +269,8 @@ class TritonHttpTarget:
             "stream": True,
             **_scalar_params(request, self.inputs, self.min_tokens_equal_max),
         }
+        if self.inputs.reports_drafts:
+            body[PERF_METRICS_INPUT] = True
         conn = self._connection()
         try:
             conn.request(
@@ -259,7 +292,12 @@ class TritonHttpTarget:
                 if "error" in event:
                     raise ServingError(f"Triton error: {event['error']}")
                 if "text_output" in event:
-                    yield 1
+                    yield ensemble_token_count(event.get("output_log_probs"))
+                drafts = draft_counts(
+                    event.get("total_draft_tokens"), event.get("total_accepted_draft_tokens")
+                )
+                if drafts is not None:
+                    yield drafts
         finally:
             conn.close()
 
