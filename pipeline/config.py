@@ -23,11 +23,11 @@ QuantMode = Literal[
 ]
 # Which quantization modes each backend implements; `trtllm` follows ModelOpt's quantize.py --qformat list.
 BACKEND_QUANT_MODES: dict[str, tuple[str, ...]] = {
-    "torch": ("none", "int8_wo", "int4_wo"),
+    "torch": ("none", "int8_wo", "int4_wo", "int4_awq"),
     "trtllm": ("none", "int8_wo", "int4_wo", "int4_awq", "w4a8_awq", "int8_sq", "fp8", "fp8_pc_pt", "nvfp4"),
 }
 BACKEND_KV_DTYPES: dict[str, tuple[str, ...]] = {
-    "torch": ("auto",),
+    "torch": ("auto", "int8"),
     "trtllm": ("auto", "int8", "fp8"),
 }
 # quantize.py --qformat -> the checkpoint's quantization.quant_algo (REFERENCE.md §1.3).
@@ -116,6 +116,11 @@ class QuantizationConfig(_Strict):
     )
     quantize_lm_head: bool = Field(
         False, description="Also quantize the output projection (--quantize_lm_head)."
+    )
+    activation_aware: bool = Field(
+        False,
+        description="int8_wo on the torch backend: search per-input-channel scales and clipping ranges on the "
+        "calibration set (AWQ-style) before rounding; same W8A16 format and kernels. int4_awq always does.",
     )
     calibration: CalibrationConfig = Field(default_factory=CalibrationConfig, description="Calibration data.")
 
@@ -383,6 +388,11 @@ def _check_backend_support(cfg: BuildConfig) -> None:
         raise ValueError(
             f"quantization.kv_cache_dtype={q.kv_cache_dtype} is not available on backend={cfg.backend}; "
             f"choose one of {', '.join(BACKEND_KV_DTYPES[cfg.backend])}"
+        )
+    if q.activation_aware and (cfg.backend, q.mode) != ("torch", "int8_wo"):
+        raise ValueError(
+            f"quantization.activation_aware=true applies to mode=int8_wo on backend=torch, not mode={q.mode} on "
+            f"backend={cfg.backend} (for activation-aware int4 use mode=int4_awq)"
         )
     if q.mode in ("int4_wo", "int4_awq", "w4a8_awq") and q.group_size not in (32, 64, 128):
         raise ValueError(f"quantization.group_size={q.group_size} for mode={q.mode} must be 32, 64 or 128")

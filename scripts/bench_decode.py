@@ -28,6 +28,8 @@ import torch  # noqa: E402
 
 from pipeline.runtime.engine import LLMEngine  # noqa: E402
 from pipeline.runtime.model_runner import ModelRunner  # noqa: E402
+from pipeline.runtime.quant.kernels import kernels_available, kernels_unavailable_reason  # noqa: E402
+from pipeline.runtime.quant.kernels.build import kernel_isa  # noqa: E402
 from pipeline.runtime.sampling_params import SamplingParams  # noqa: E402
 from pipeline.runtime.scheduler import SchedulerConfig  # noqa: E402
 
@@ -142,6 +144,8 @@ def main() -> None:
         "engine_dir": str(engine_dir),
         "threads": torch.get_num_threads(),
         "attention": runner.attention_backend,
+        "kernels": kernel_isa() if kernels_available() else f"off ({kernels_unavailable_reason()})",
+        "fused_decoder": runner.model.fused is not None,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(default)"),
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
@@ -155,6 +159,7 @@ def main() -> None:
         return
     print(
         f"engine {engine_dir} | threads {report['threads']} | attention {report['attention']} | "
+        f"kernels {report['kernels']} | fused decoder {report['fused_decoder']} | "
         f"OMP_WAIT_POLICY {report['omp_wait_policy']} | load avg {report['load_average']}"
     )
     print(

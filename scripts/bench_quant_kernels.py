@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.runtime.quant import kernels, primitives
+from pipeline.runtime.quant.kernels.build import kernel_isa
 
 # (name, out_features, in_features) of SmolLM2-135M: hidden 576, 9 heads + 2 x 3 KV heads of 64, MLP 1536.
 SHAPES = {
@@ -106,8 +107,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if not kernels.kernels_available():
         raise SystemExit(f"kernels unavailable: {kernels.kernels_unavailable_reason()}")
-    print(f"torch {torch.__version__}, {args.threads} threads, {'hot' if args.hot else 'cold'} weights, "
-          f"{args.stat} of {args.repeats}, ms per call")  # fmt: skip
+    print(f"torch {torch.__version__}, kernels {kernel_isa()}, {args.threads} threads, "
+          f"{'hot' if args.hot else 'cold'} weights, {args.stat} of {args.repeats}, ms per call")  # fmt: skip
     header: list[str] = []
     for shape in args.shapes:
         out_f, in_f = SHAPES[shape]

@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.errors import ServingError  # noqa: E402
 from pipeline.serving.client import GenerationOptions, GrpcClient, HttpClient  # noqa: E402
+from pipeline.serving.health import group_processes  # noqa: E402
 from pipeline.serving.launcher import TritonServer  # noqa: E402
 
 PROMPTS = [f"Soak prompt {i}: " + "word " * i for i in range(6)]
@@ -46,18 +47,7 @@ def expected_texts(engine_dir: Path) -> dict[str, str]:
 
 def group_rss_bytes(pgid: int) -> int:
     """RSS of tritonserver and every stub it started (they share its process group)."""
-    total = 0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[2]) == pgid:  # field 5 of /proc/pid/stat: the process group
-                status = (stat.parent / "status").read_text()
-                total += (
-                    int(next(ln for ln in status.splitlines() if ln.startswith("VmRSS")).split()[1]) * 1024
-                )
-        except (OSError, IndexError, StopIteration, ValueError):
-            continue
-    return total
+    return sum(process.rss_bytes for process in group_processes(pgid))
 
 
 def kv_used(server: TritonServer) -> float:

@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from pipeline.errors import BackendUnavailableError, MissingArtifactError, ServingError
-from pipeline.serving.launcher import TritonServer
+from pipeline.serving.launcher import TritonServer, failure_lines
 from pipeline.serving.server_cmd import ServerOptions, find_tritonserver, server_command
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -118,7 +118,9 @@ def serve(
 
     CONFIG serves build/<name>/model_repo with the config's serving.* ports; MODEL_REPO serves that
     folder (ports 8000/8001/8002 unless given). Uses the tritonserver on PATH, else the one bundled in nvidia-pytriton. Binds
-    127.0.0.1 unless --host says otherwise; a model that fails to load stops the server with its log lines.
+    127.0.0.1 unless --host says otherwise; a model that fails to load stops the server with its log lines,
+    and so does a model's Python stub that dies while serving (exit 1: Triton itself would go on
+    reporting ready).
 
     \b
     Examples:
@@ -149,6 +151,13 @@ def serve(
     with server:
         click.echo(_ready_banner(server, time.monotonic() - started), err=True)
         code = server.serve_forever()
+        if server.health_failure is not None:
+            logged = failure_lines(server.health_failure_log, limit=20)
+            raise ServingError(
+                f"{server.health_failure}, so llmpipe stopped tritonserver. Its log while serving:\n  "
+                + ("\n  ".join(logged) if logged else "(nothing since it became ready)"),
+                hint="Find what killed it (the kernel log shows the out-of-memory killer), then serve again.",
+            )
         if not server.stopped_on_request:
             lines = "\n  ".join(server.log_lines()[-20:])
             raise ServingError(

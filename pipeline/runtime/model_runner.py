@@ -1,18 +1,21 @@
 """ModelRunner: the only part of the engine that touches tensors. It turns a SchedulerOutput into one
-flattened batch, runs the model over the paged KV cache, and samples the rows that need a token."""
+flattened batch, runs the model over the paged KV cache, and samples the rows that need a token; `score`
+returns the logits of every position of a given sequence (teacher forcing) through the same path."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
 import torch
 
-from pipeline.errors import ConfigError, UnsupportedModelError
+from pipeline.errors import ConfigError
 from pipeline.runtime.attn_metadata import SequenceChunk, build_attention_metadata
 from pipeline.runtime.engine_config import EngineConfig, load_engine_config
 from pipeline.runtime.kv_cache import KVCache, blocks_per_sequence, num_kv_blocks
+from pipeline.runtime.kv_quant import check_kv_quant_algo
 from pipeline.runtime.model.cpu_kernels import PagedAttentionKernel, load_add_rms_norm, load_paged_attention
 from pipeline.runtime.model.greedy_head import GreedyLMHead
 from pipeline.runtime.model.layers import (
@@ -51,8 +54,9 @@ class ModelRunner:
     Compute dtype: fp32 on CPU whatever the stored dtype (reduced-precision matmuls are very slow on
     CPUs without AMX), the model's dtype on CUDA. `num_threads` sets torch's (process-wide) thread count.
     `attention`: "kernel" = the C paged-attention kernel (CPU, fp32), "torch" = the portable torch path,
-    "auto" = the kernel when it applies and builds. The runner keeps no per-request state (sampling
-    randomness is keyed by seed and position), so `finished_request_ids` needs no handling.
+    "auto" = the kernel when it applies and builds. The KV cache is int8 when the engine's
+    kv_cache_quant_algo is INT8 (both attention paths read and write it). The runner keeps no per-request
+    state (sampling randomness is keyed by seed and position), so `finished_request_ids` needs no handling.
     """
 
     def __init__(
@@ -70,12 +74,7 @@ class ModelRunner:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         model_cfg, build, runtime = engine_config.model, engine_config.build, engine_config.runtime
-        if model_cfg.quantization.kv_cache_quant_algo is not None:
-            raise UnsupportedModelError(
-                f"kv_cache_quant_algo={model_cfg.quantization.kv_cache_quant_algo} is not implemented by the "
-                "torch runtime (its KV cache is in the compute dtype)",
-                hint="rebuild with quantization.kv_cache_dtype: auto",
-            )
+        self.kv_int8 = check_kv_quant_algo(model_cfg.quantization.kv_cache_quant_algo)
         self.dtype = torch.float32 if self.device.type == "cpu" else _MODEL_DTYPES[model_cfg.dtype]
         self.tokens_per_block = build.plugin_config.tokens_per_block
         weights = load_llama_weights(engine_config, self.device, self.dtype)
@@ -91,22 +90,30 @@ class ModelRunner:
             else runtime.kv_free_memory_fraction,
             max_useful_blocks=build.max_batch_size
             * blocks_per_sequence(build.max_seq_len + build.max_draft_len, self.tokens_per_block),
+            int8=self.kv_int8,
         )
         self.max_positions = min(model_cfg.max_position_embeddings, build.max_seq_len + build.max_draft_len)
         kernel = self._pick_kernel(attention)
         self.kv_cache = KVCache(
-            model_cfg, self.num_kv_blocks, self.tokens_per_block, self.dtype, self.device, zero=kernel is None
+            model_cfg,
+            self.num_kv_blocks,
+            self.tokens_per_block,
+            self.dtype,
+            self.device,
+            zero=kernel is None,
+            int8=self.kv_int8,
         )
         self.attention_backend = "kernel" if kernel is not None else "torch"
         self.model = self._assemble(weights, kernel)
         self.sampler = Sampler(seed)
         logger.info(
-            "model runner: %s on %s (%s), %d KV blocks of %d tokens (%.2f GiB), attention=%s",
+            "model runner: %s on %s (%s), %d KV blocks of %d tokens (%s, %.2f GiB), attention=%s",
             model_cfg.architecture,
             self.device,
             self.dtype,
             self.num_kv_blocks,
             self.tokens_per_block,
+            "int8" if self.kv_int8 else self.dtype,
             self.kv_cache.num_bytes / 2**30,
             self.attention_backend,
         )
@@ -170,6 +177,42 @@ class ModelRunner:
                 sample_rows.extend(SampleRow(request, i) for i in range(drafts + 1))
         if not chunks:
             return RunnerOutput(sampled_token_ids=[])
+        hidden = self._forward(chunks, input_ids)
+        if not sample_rows:
+            return RunnerOutput(sampled_token_ids=[[] for _ in chunks])
+        rows = hidden.index_select(0, torch.tensor(sample_positions, dtype=torch.int64, device=self.device))
+        if all(row.plain_greedy for row in sample_rows):
+            greedy = self.model.greedy_tokens(rows)
+            if greedy is not None:
+                return _split_per_request(scheduler_output, greedy, None)
+        token_ids, logprobs = self.sampler(self.model.compute_logits(rows), sample_rows)
+        return _split_per_request(scheduler_output, token_ids, logprobs)
+
+    @torch.inference_mode()
+    def score(self, token_ids: Sequence[int], block_table: list[int]) -> torch.Tensor:
+        """Teacher-forced logits at every position of `token_ids` (row i predicts token i + 1): [T, vocab]
+        fp32 on the runner's device. `block_table` comes from the block manager, with room for all T tokens;
+        their K/V overwrite those blocks. The sequence runs as prefill chunks of at most max_num_tokens,
+        like an engine step with chunked context, so scoring needs no more memory than serving."""
+        num_tokens = len(token_ids)
+        if num_tokens == 0:
+            raise ValueError("score needs at least one token")
+        if len(block_table) * self.tokens_per_block < num_tokens:
+            raise ValueError(
+                f"block table of {len(block_table)} blocks cannot hold {num_tokens} tokens "
+                f"({self.tokens_per_block} per block)"
+            )
+        step = self.config.build.max_num_tokens
+        logits = []
+        for start in range(0, num_tokens, step):
+            chunk = list(token_ids[start : start + step])
+            hidden = self._forward([SequenceChunk(start, len(chunk), block_table)], chunk)
+            logits.append(self.model.compute_logits(hidden))
+        return torch.cat(logits)
+
+    def _forward(self, chunks: list[SequenceChunk], input_ids: list[int]) -> torch.Tensor:
+        """The flattened batch of `chunks` (input_ids in chunk order) through the model, K/V written to the
+        cache: final hidden states [T, hidden]."""
         meta = build_attention_metadata(
             chunks,
             self.tokens_per_block,
@@ -183,16 +226,7 @@ class ModelRunner:
             raise ValueError(
                 f"position {meta.max_context_len - 1} is beyond the engine's {self.max_positions}"
             )
-        hidden = self.model.forward(torch.tensor(input_ids, dtype=torch.int64, device=self.device), meta)
-        if not sample_rows:
-            return RunnerOutput(sampled_token_ids=[[] for _ in chunks])
-        rows = hidden.index_select(0, torch.tensor(sample_positions, dtype=torch.int64, device=self.device))
-        if all(row.plain_greedy for row in sample_rows):
-            greedy = self.model.greedy_tokens(rows)
-            if greedy is not None:
-                return _split_per_request(scheduler_output, greedy, None)
-        token_ids, logprobs = self.sampler(self.model.compute_logits(rows), sample_rows)
-        return _split_per_request(scheduler_output, token_ids, logprobs)
+        return self.model.forward(torch.tensor(input_ids, dtype=torch.int64, device=self.device), meta)
 
 
 def _split_per_request(

@@ -4,7 +4,7 @@
 
     with TritonServer(ServerOptions(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0)) as srv:
         print(srv.http_url)         # ports 0 were replaced by free ones
-        srv.serve_forever()         # CLI only: forwards SIGINT/SIGTERM, returns the exit code
+        srv.serve_forever()         # CLI only: forwards SIGINT/SIGTERM, watches health, returns the exit code
 
 A model that fails to load makes `start()` raise ServingError quoting that model's log lines; a server that
 never becomes ready raises after `ready_timeout_s`. Stopping sends SIGTERM (SIGKILL after the exit timeout)
@@ -34,6 +34,7 @@ from pathlib import Path
 from types import FrameType, TracebackType
 
 from pipeline.errors import ServingError
+from pipeline.serving.health import HealthWatch
 from pipeline.serving.server_cmd import (
     ServerOptions,
     TritonInstall,
@@ -99,8 +100,13 @@ class TritonServer:
         self.process: subprocess.Popen[bytes] | None = None
         self.run_dir: Path | None = None
         self._lines: collections.deque[str] = collections.deque(maxlen=_LOG_LINES_KEPT)
+        self._num_lines = 0  # ever logged; with _lines_at_ready, tells which kept lines came after ready
+        self._lines_at_ready = 0
+        self._log_lock = threading.Lock()
         self._pump: threading.Thread | None = None
         self._stop_requested = False
+        self.health_failure: str | None = None  # why serve_forever stopped an unhealthy server
+        self.health_failure_log: list[str] = []  # what the server logged from ready until that failure
 
     # -- addresses ---------------------------------------------------------------------------------
     @property
@@ -123,8 +129,11 @@ class TritonServer:
     def log_path(self) -> Path | None:
         return None if self.run_dir is None else self.run_dir / "tritonserver.log"
 
-    def log_lines(self) -> list[str]:
-        return list(self._lines)
+    def log_lines(self, since_ready: bool = False) -> list[str]:
+        """The last lines of tritonserver's log; since_ready: only those logged after it became ready."""
+        with self._log_lock:
+            lines, total = list(self._lines), self._num_lines
+        return lines[max(0, len(lines) - (total - self._lines_at_ready)) :] if since_ready else lines
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def __enter__(self) -> TritonServer:
@@ -165,6 +174,8 @@ class TritonServer:
         self._pump.start()
         try:
             self.wait_ready(self.ready_timeout_s)
+            with self._log_lock:
+                self._lines_at_ready = self._num_lines
         except BaseException:
             self.stop()
             raise
@@ -174,7 +185,9 @@ class TritonServer:
         with self.log_path.open("w", encoding="utf-8") as log:
             for raw in self.process.stdout:
                 line = raw.decode("utf-8", "replace").rstrip("\n")
-                self._lines.append(line)
+                with self._log_lock:
+                    self._lines.append(line)
+                    self._num_lines += 1
                 log.write(line + "\n")
                 log.flush()
                 if self.echo_log:
@@ -269,9 +282,14 @@ class TritonServer:
                 path.unlink()
         return removed
 
-    def serve_forever(self) -> int:
-        """Block until the server exits; SIGINT/SIGTERM stop it (a second one kills it). The exit code."""
+    def serve_forever(self, health_period_s: float | None = 2.0) -> int:
+        """Block until the server exits; SIGINT/SIGTERM stop it (a second one kills it). The exit code.
+
+        Every `health_period_s` the server's health is checked (health.py); a server that can no longer
+        serve (a dead Python stub, not ready for long) is stopped and `health_failure` says why.
+        """
         assert self.process is not None
+        watch = HealthWatch(self.process.pid, self.is_ready) if health_period_s else None
 
         def forward(signum: int, frame: FrameType | None) -> None:
             if self._stop_requested and self.process is not None:
@@ -281,7 +299,19 @@ class TritonServer:
 
         previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
-            code = self.process.wait()
+            while True:
+                try:
+                    code = self.process.wait(timeout=health_period_s)
+                    break
+                except subprocess.TimeoutExpired:
+                    assert watch is not None
+                    problem = None if self._stop_requested else watch.check()
+                    if problem is not None:
+                        self.health_failure = problem
+                        self.health_failure_log = self.log_lines(since_ready=True)
+                        self.stop()
+                        code = self.process.returncode
+                        break
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)

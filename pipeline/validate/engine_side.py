@@ -1,10 +1,10 @@
 """The built engine, in-process: greedy generation through the real scheduler and paged KV cache, and
-teacher-forced scoring (logits at every position of a given sequence) through the engine's own model.
+teacher-forced scoring (logits at every position of a given sequence) through `ModelRunner.score`: the
+same weights, linear layers, attention and KV-cache format that serve requests.
 
-NOTE: the model runner has no scoring entry point yet, so `score` runs one prefill of the whole sequence
-through `runner.model` with blocks borrowed from the engine's block manager: the same weights, linear
-layers, attention and KV-cache format that serve requests. It needs the engine idle (no request in
-flight), which validation guarantees by scoring only between `generate` calls.
+NOTE: scoring takes its blocks from the engine's block manager (the only writer of block tables) and gives
+them back after; it needs the engine idle (no request in flight), which validation guarantees by scoring
+only between `generate` calls.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from pathlib import Path
 import torch
 
 from pipeline.errors import ConfigError
-from pipeline.runtime.attn_metadata import SequenceChunk, build_attention_metadata
 from pipeline.runtime.engine import LLMEngine
 from pipeline.runtime.model_runner import ModelRunner
 from pipeline.runtime.request import Request
@@ -47,7 +46,6 @@ class EngineTarget:
             self._check_length(len(prompt), "prompt")
         return [request.output_token_ids for request in self.engine.generate(prompts, params)]
 
-    @torch.inference_mode()
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """Logits at every position: row i predicts token i+1. [len(token_ids), vocab] fp32 on CPU."""
         self._check_length(len(token_ids), "scored sequence")
@@ -62,17 +60,7 @@ class EngineTarget:
             )
         block_manager.allocate(request)
         try:
-            runner = self.runner
-            meta = build_attention_metadata(
-                [SequenceChunk(0, len(token_ids), request.block_table)],
-                runner.tokens_per_block,
-                runner.device,
-                padded=runner.attention_backend == "torch",
-                sliding_window=runner.config.model.sliding_window,
-            )
-            input_ids = torch.tensor(token_ids, dtype=torch.int64, device=runner.device)  # [T]
-            hidden = runner.model.forward(input_ids, meta)  # [T, hidden]
-            return runner.model.compute_logits(hidden).float().cpu()  # [T, vocab]
+            return self.runner.score(token_ids, request.block_table).cpu()
         finally:
             block_manager.free(request)
 

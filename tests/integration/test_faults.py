@@ -1,23 +1,29 @@
 """Faults: an engine error fails one request only; a build killed with SIGKILL mid-stage leaves nothing a later
 run reuses (through the real `llmpipe` CLI); a truncated or tampered engine weight file is refused by
-checksum before load, with an error naming the file."""
+checksum before load, with an error naming the file, both by the engine and by a live `llmpipe serve`; a
+Python stub killed under a running `llmpipe serve` makes it stop the server and exit non-zero with the log."""
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from pipeline.errors import IntegrityError
+from pipeline.errors import IntegrityError, ServingError
 from pipeline.runtime.async_engine import EngineThread
 from pipeline.runtime.engine import LLMEngine
 from pipeline.runtime.sampling_params import SamplingParams
+from pipeline.serving.health import python_stubs
+from pipeline.serving.server_cmd import find_tritonserver
 from tests.serving_helpers import build_tiny_engine
 
 POISON = "poison"
@@ -85,15 +91,19 @@ def _run(*args: str, cwd: Path) -> str:
     return out
 
 
-@pytest.fixture
-def tiny_build_config(tiny_llama_dir: Path, tmp_path: Path) -> Path:
-    config = tmp_path / "tiny.yaml"
+def _write_tiny_config(folder: Path, hf_dir: Path) -> Path:
+    config = folder / "tiny.yaml"
     config.write_text(
-        f"name: tiny-faults\nsource: {{kind: local, path: {tiny_llama_dir}}}\nbackend: torch\ndtype: float32\n"
+        f"name: tiny-faults\nsource: {{kind: local, path: {hf_dir}}}\nbackend: torch\ndtype: float32\n"
         "engine: {max_batch_size: 4, max_input_len: 64, max_seq_len: 128, max_num_tokens: 128}\n"
         "kv_cache: {tokens_per_block: 16, max_tokens: 1024}\n"
     )
     return config
+
+
+@pytest.fixture
+def tiny_build_config(tiny_llama_dir: Path, tmp_path: Path) -> Path:
+    return _write_tiny_config(tmp_path, tiny_llama_dir)
 
 
 def test_sigkill_mid_stage_leaves_nothing_a_later_run_reuses(tiny_build_config: Path, tmp_path: Path) -> None:
@@ -151,3 +161,114 @@ def test_tampered_or_truncated_engine_weights_are_refused_by_checksum(
     rebuilt = _run("build", str(tiny_build_config), "--until", "engine", "--force", cwd=tmp_path)
     assert "engine: done" in rebuilt, rebuilt
     LLMEngine.from_engine_dir(engine_dir)
+
+
+# --- faults under a live `llmpipe serve` (real tritonserver) ---
+
+
+@pytest.fixture(scope="module")
+def served_repo(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The model repository `llmpipe build` packages: its engine carries the engine stage's checksums."""
+    try:
+        find_tritonserver()
+    except ServingError as err:
+        pytest.skip(f"no tritonserver: {err}")
+    root = tmp_path_factory.mktemp("served")
+    _run("build", str(_write_tiny_config(root, tiny_llama_dir)), "--until", "package", cwd=root)
+    repo = root / "build" / "tiny-faults" / "model_repo"
+    assert (repo / "tensorrt_llm" / "1" / "engine" / "manifest.json").is_file()
+    return repo
+
+
+class _Serve:
+    """`llmpipe serve REPO` on free ports, its output collected line by line as it comes."""
+
+    def __init__(self, repo: Path, cwd: Path) -> None:
+        ports = ("--http-port", "0", "--grpc-port", "0", "--metrics-port", "0")
+        self.proc = _llmpipe("serve", str(repo), *ports, cwd=cwd)
+        self.lines: list[str] = []
+        self._pump = threading.Thread(target=self._read, daemon=True)
+        self._pump.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait(self, timeout_s: float) -> int:
+        code = self.proc.wait(timeout=timeout_s)
+        self._pump.join(timeout=10)
+        return code
+
+    def wait_ready(self, timeout_s: float = 240) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not re.search(r"^ready in ", self.output, re.MULTILINE):
+            assert self.proc.poll() is None and time.monotonic() < deadline, self.output
+            time.sleep(0.2)
+
+    def server_pid(self) -> int:
+        """tritonserver, the child of the CLI (it leads its own process group)."""
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                name, rest = stat.read_text().split(" (", 1)[1].split(")", 1)
+            except (OSError, IndexError, ValueError):
+                continue
+            if name == "tritonserver" and int(rest.split()[1]) == self.proc.pid:
+                return int(stat.parent.name)
+        raise AssertionError(f"no tritonserver under pid {self.proc.pid}")
+
+
+@pytest.mark.triton
+def test_a_killed_python_stub_makes_serve_stop_and_exit_nonzero(served_repo: Path, tmp_path: Path) -> None:
+    serve = _Serve(served_repo, tmp_path)
+    try:
+        serve.wait_ready()
+        server = serve.server_pid()
+        stubs = python_stubs(server)
+        assert sorted(stubs.values()) == sorted(
+            ["preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls"]
+        ), stubs
+        engine_stub = next(pid for pid, model in stubs.items() if model == "tensorrt_llm")
+        os.kill(engine_stub, signal.SIGKILL)
+        killed = time.monotonic()
+        code = serve.wait(timeout_s=90)
+    finally:
+        if serve.proc.poll() is None:
+            serve.proc.kill()
+    assert code != 0, serve.output
+    assert time.monotonic() - killed < 60
+    out = serve.output
+    assert f"the Python backend stub of model 'tensorrt_llm' (pid {engine_stub}) died while serving" in out
+    # what tritonserver logged while serving (2.51 logs nothing about the stub), not its shutdown after
+    assert "so llmpipe stopped tritonserver. Its log while serving:" in out, out
+    assert "unloading models" not in out and "Started HTTPService" not in out, out
+    # nothing is left running: the server and every other stub are gone
+    assert python_stubs(server) == {} and not Path(f"/proc/{server}").exists()
+
+
+@pytest.mark.triton
+def test_a_tampered_engine_in_the_served_repository_fails_serve_naming_the_file(
+    served_repo: Path, tmp_path: Path
+) -> None:
+    repo = tmp_path / "model_repo"
+    shutil.copytree(served_repo, repo)  # real copies: the build's engine files stay intact
+    weights = repo / "tensorrt_llm" / "1" / "engine" / "rank0.safetensors"
+    flipped = bytearray(weights.read_bytes())
+    flipped[-10] ^= 0xFF
+    weights.unlink()
+    weights.write_bytes(bytes(flipped))
+    serve = _Serve(repo, tmp_path)
+    try:
+        code = serve.wait(timeout_s=300)
+    finally:
+        if serve.proc.poll() is None:
+            serve.proc.kill()
+    out = serve.output
+    assert code != 0, out
+    assert "tritonserver exited with code" in out and "before it was ready" in out, out
+    assert re.search(r"model 'tensorrt_llm'.*rank0\.safetensors does not match its sha256", out), out
+    assert "ready in" not in out

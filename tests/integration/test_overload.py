@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,7 +22,7 @@ from pipeline.serving.launcher import TritonServer
 from pipeline.serving.repository import render_model_repository
 from pipeline.serving.server_cmd import ServerOptions, find_tritonserver
 from pipeline.serving.tokenization import PromptEncoder
-from tests.serving_helpers import build_tiny_engine, tiny_config
+from tests.serving_helpers import build_tiny_engine, metric, scrape_metrics, tiny_config
 
 MAX_BATCH, MAX_QUEUE = 2, 2
 CAPACITY = MAX_BATCH + MAX_QUEUE  # the engine's max_pending_requests as packaged
@@ -84,14 +83,13 @@ def server(
 
 
 def _kv(server: TritonServer) -> dict[str, float]:
-    with urllib.request.urlopen(server.metrics_url, timeout=10) as reply:
-        text = reply.read().decode()
-    found = {}
-    for line in text.splitlines():
-        if line.startswith("nv_trt_llm_kv_cache_block_metrics{"):
-            kind = line.split('kv_cache_block_type="', 1)[1].split('"', 1)[0]
-            found[kind] = float(line.rsplit(" ", 1)[1])
-    return found
+    values = scrape_metrics(server.metrics_url)
+    return {
+        kind: metric(
+            values, "nv_trt_llm_kv_cache_block_metrics", model="tensorrt_llm", kv_cache_block_type=kind
+        )
+        for kind in ("used", "max")
+    }
 
 
 @pytest.mark.triton

@@ -83,10 +83,10 @@ def test_quantized_engine_is_packed_and_close_to_fp32(
 def test_unsupported_torch_mode_is_a_config_error(tmp_path: Path) -> None:
     config = tmp_path / "c.yaml"
     config.write_text(
-        yaml.safe_dump({"source": {"kind": "local", "path": "/x"}, "quantization": {"mode": "int4_awq"}})
+        yaml.safe_dump({"source": {"kind": "local", "path": "/x"}, "quantization": {"mode": "w4a8_awq"}})
     )
     result = CliRunner().invoke(cli, ["config", "validate", str(config)])
     assert (
         result.exit_code == 1
-        and "quantization.mode=int4_awq is not available on backend=torch" in result.output
+        and "quantization.mode=w4a8_awq is not available on backend=torch" in result.output
     )

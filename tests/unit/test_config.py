@@ -49,8 +49,8 @@ INVALID = [
     ),
     ({"quantization": {"mode": "fp8"}}, "quantization.mode=fp8 is not available on backend=torch"),
     (
-        {"quantization": {"kv_cache_dtype": "int8"}},
-        "quantization.kv_cache_dtype=int8 is not available on backend=torch",
+        {"quantization": {"kv_cache_dtype": "fp8"}},
+        "quantization.kv_cache_dtype=fp8 is not available on backend=torch",
     ),
     ({"parallel": {"tp_size": 2}}, "parallel.tp_size=2 pp_size=1: the torch backend runs on one device"),
     (

@@ -275,13 +275,13 @@ def test_unknown_quant_algo_fails_at_load(tiny_llama_dir: Path, tmp_path: Path) 
         ModelRunner.from_engine_dir(tmp_path / "engine", device="cpu", kv_max_tokens=512)
 
 
-def test_quantized_kv_cache_is_refused_at_load(tiny_llama_dir: Path, tmp_path: Path) -> None:
+def test_fp8_kv_cache_is_refused_at_load(tiny_llama_dir: Path, tmp_path: Path) -> None:
     cfg = make_cfg(tiny_llama_dir)
     convert(cfg, tiny_llama_dir, tmp_path / "ckpt")
     build(cfg, tmp_path / "ckpt", tmp_path / "engine")
     path = tmp_path / "engine" / "config.json"
     data = json.loads(path.read_text())
-    data["pretrained_config"]["quantization"]["kv_cache_quant_algo"] = "INT8"
+    data["pretrained_config"]["quantization"]["kv_cache_quant_algo"] = "FP8"
     path.write_text(json.dumps(data))
-    with pytest.raises(UnsupportedModelError, match="kv_cache_quant_algo=INT8"):
+    with pytest.raises(UnsupportedModelError, match="kv_cache_quant_algo=FP8"):
         ModelRunner.from_engine_dir(tmp_path / "engine", device="cpu", kv_max_tokens=512)

@@ -79,6 +79,7 @@ def build(cfg: BuildConfig, ckpt_dir: Path, out_dir: Path) -> dict[str, Any]:
         "architecture": model.architecture,
         "dtype": model.dtype,
         "quant_algo": model.quantization.quant_algo,
+        "kv_cache_quant_algo": model.quantization.kv_cache_quant_algo,
         "max_batch_size": engine.build.max_batch_size,
         "max_seq_len": engine.build.max_seq_len,
         "max_num_tokens": engine.build.max_num_tokens,
@@ -108,13 +109,17 @@ def _check_matches_config(cfg: BuildConfig, pretrained: dict[str, Any], ckpt_dir
             f"engine.max_seq_len={cfg.engine.max_seq_len} exceeds the model's max_position_embeddings={max_positions}",
             hint=f"set engine.max_seq_len <= {max_positions}",
         )
-    stored = (pretrained.get("quantization") or {}).get("quant_algo")
-    if stored != cfg.quantization.quant_algo:
-        raise ConfigError(
-            f"{ckpt_dir} holds quant_algo={stored!r} but quantization.mode={cfg.quantization.mode} "
-            f"means {cfg.quantization.quant_algo!r}",
-            hint="rerun `llmpipe quantize` (or the whole pipeline) with this config",
-        )
+    stored = pretrained.get("quantization") or {}
+    q = cfg.quantization
+    for field, setting, wanted in (
+        ("quant_algo", f"quantization.mode={q.mode}", q.quant_algo),
+        ("kv_cache_quant_algo", f"quantization.kv_cache_dtype={q.kv_cache_dtype}", q.kv_cache_quant_algo),
+    ):
+        if stored.get(field) != wanted:
+            raise ConfigError(
+                f"{ckpt_dir} holds {field}={stored.get(field)!r} but {setting} means {wanted!r}",
+                hint="rerun `llmpipe quantize` (or the whole pipeline) with this config",
+            )
 
 
 def _build_limits(cfg: BuildConfig) -> dict[str, Any]:

@@ -1,7 +1,9 @@
-"""quantize (torch backend): weight-only int8 (W8A16, per output channel) or int4 (W4A16, group-wise with
-zero points) applied to a converted checkpoint. The packed tensors use the on-disk layout of
-`pipeline.runtime.quant.primitives`; the scheme and group size go into `config.json`'s `quantization`
-section, which the runtime's loader reads (never a file name)."""
+"""quantize (torch backend): weight-only int8 (W8A16, per output channel), int4 (W4A16, group-wise with
+zero points) or activation-aware int4 (W4A16_AWQ: calibrated input scales folded into the preceding
+weights, then the same int4 format; int8 too with quantization.activation_aware) applied to a converted
+checkpoint. The packed tensors use the on-disk layout of `pipeline.runtime.quant.primitives`; the scheme
+and group size go into `config.json`'s `quantization` section, which the runtime's loader reads (never a
+file name)."""
 
 from __future__ import annotations
 
@@ -14,22 +16,28 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from pipeline.backends.torch.kv_quantize import quantize_kv_only
 from pipeline.config import BuildConfig
 from pipeline.errors import ConfigError, MissingArtifactError
 from pipeline.runtime.engine_config import TOKENIZER_DIR, WEIGHTS_FILE
 from pipeline.runtime.quant.linear import QuantLinear, Scheme
 
 # quantization.mode -> the QuantLinear scheme.
-SCHEMES: dict[str, Scheme] = {"int8_wo": "int8", "int4_wo": "int4"}
+SCHEMES: dict[str, Scheme] = {"int8_wo": "int8", "int4_wo": "int4", "int4_awq": "int4"}
+# Modes whose scales are always searched on calibration data first (backends/torch/awq.py); int8_wo does
+# when quantization.activation_aware is set.
+ACTIVATION_AWARE = ("int4_awq",)
 # The linear layers of each transformer block (runtime names, see checkpoint.LAYER_WEIGHTS).
 LAYER_LINEARS = ("attention.qkv", "attention.dense", "mlp.gate_up", "mlp.proj")
 
 
 def quantize(cfg: BuildConfig, ckpt_dir: Path, out_dir: Path, hf_dir: Path | None = None) -> dict[str, Any]:
-    """Write the quantized checkpoint of `ckpt_dir` into `out_dir`. `hf_dir` is unused: weight-only
-    round-to-nearest needs no calibration data."""
+    """Write the quantized checkpoint of `ckpt_dir` into `out_dir`. `hf_dir` (the HF checkpoint) is run on
+    the calibration set by the activation-aware modes; round-to-nearest needs no data."""
     started = time.perf_counter()
     q = cfg.quantization
+    if q.mode == "none":  # only the KV cache is quantized, at run time
+        return quantize_kv_only(cfg, ckpt_dir, out_dir)
     if q.mode not in SCHEMES:
         raise ConfigError(
             f"quantization.mode={q.mode} is not implemented by the torch backend's quantizer; "
@@ -52,6 +60,9 @@ def quantize(cfg: BuildConfig, ckpt_dir: Path, out_dir: Path, hf_dir: Path | Non
     if q.quantize_lm_head:
         prefixes.append("lm_head")
     dense_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    awq_facts = None
+    if q.mode in ACTIVATION_AWARE or q.activation_aware:
+        awq_facts = _activation_aware(cfg, tensors, pretrained, hf_dir, group_size)
     for prefix in prefixes:
         weight = tensors.pop(f"{prefix}.weight")
         bias = tensors.pop(f"{prefix}.bias", None)
@@ -81,4 +92,28 @@ def quantize(cfg: BuildConfig, ckpt_dir: Path, out_dir: Path, hf_dir: Path | Non
         "weights_bytes_before": dense_bytes,
         "weights_bytes_after": quant_bytes,
         "seconds": round(time.perf_counter() - started, 2),
+        **({"awq": awq_facts} if awq_facts is not None else {}),
     }
+
+
+def _activation_aware(
+    cfg: BuildConfig,
+    tensors: dict[str, torch.Tensor],
+    pretrained: dict[str, Any],
+    hf_dir: Path | None,
+    group_size: int | None,
+) -> dict[str, Any]:
+    """Search and fold the input scales of every block's linear layers into `tensors` (in place)."""
+    from pipeline.backends.torch.awq import apply_activation_aware_scales
+    from pipeline.backends.torch.calibration import layer_input_stats
+    from pipeline.runtime.quant.awq import WeightFormat
+
+    if hf_dir is None:
+        raise MissingArtifactError(
+            f"quantization.mode={cfg.quantization.mode} calibrates on the HF checkpoint, which was not given"
+        )
+    calibration = cfg.quantization.calibration
+    tokens, block_stats = layer_input_stats(Path(hf_dir), calibration)
+    fmt = WeightFormat(SCHEMES[cfg.quantization.mode], group_size)
+    facts = apply_activation_aware_scales(tensors, pretrained, block_stats, fmt)
+    return {"calibration": {**calibration.model_dump(), "tokens": tokens}, **facts}

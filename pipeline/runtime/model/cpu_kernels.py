@@ -70,6 +70,8 @@ class PagedAttentionKernel:
             ptr,
             ptr,
             ptr,
+            ptr,
+            ptr,
             i64,
             ptr,
             i64,
@@ -85,12 +87,21 @@ class PagedAttentionKernel:
         self._fn = fn
 
     def __call__(
-        self, qkv: int, qkv_stride: int, k_cache: int, v_cache: int, out: int, step_args: tuple
+        self,
+        qkv: int,
+        qkv_stride: int,
+        k_cache: int,
+        v_cache: int,
+        k_scales: int | None,
+        v_scales: int | None,
+        out: int,
+        step_args: tuple,
     ) -> None:
-        """Pointers are `tensor.data_ptr()`s; step_args are the C function's remaining arguments (cos_sin,
-        positions, slots, block_tables, bt_stride, token_seq, T, H, KV, D, block_size, window, max_context,
-        scale), the same for every layer of a step."""
-        status = self._fn(qkv, qkv_stride, k_cache, v_cache, out, *step_args)
+        """Pointers are `tensor.data_ptr()`s; the scales are None for a fp32 cache, the int8 cache's scale
+        tensors otherwise. step_args are the C function's remaining arguments (cos_sin, positions, slots,
+        block_tables, bt_stride, token_seq, T, H, KV, D, block_size, window, max_context, scale), the same
+        for every layer of a step."""
+        status = self._fn(qkv, qkv_stride, k_cache, v_cache, k_scales, v_scales, out, *step_args)
         if status != 0:
             raise RuntimeError(
                 f"paged attention kernel failed (status {status}: 1 = unsupported shape, 2 = no memory)"

@@ -13,6 +13,7 @@ from pipeline.errors import UnsupportedModelError
 from pipeline.runtime.attn_metadata import AttentionMetadata
 from pipeline.runtime.engine_config import ROPE_TYPES, ModelConfig, rope_type
 from pipeline.runtime.kv_cache import KVCache
+from pipeline.runtime.kv_quant import dequantize_kv, quantize_kv
 from pipeline.runtime.model.cpu_kernels import AddRMSNormKernel, PagedAttentionKernel
 from pipeline.runtime.quant.linear import fp32_linear
 
@@ -103,7 +104,8 @@ class Attention(Protocol):
 
 
 class KernelAttention:
-    """The C kernel (CPU, fp32): rotates q/k in place inside qkv, writes K/V, attends through block tables."""
+    """The C kernel (CPU, fp32 compute, fp32 or int8 cache): rotates q/k in place inside qkv, writes K/V,
+    attends through block tables."""
 
     def __init__(
         self, kernel: PagedAttentionKernel, kv_cache: KVCache, config: ModelConfig, cos_sin: torch.Tensor
@@ -139,11 +141,14 @@ class KernelAttention:
 
     def __call__(self, layer: int, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         out = torch.empty(meta.num_tokens, self.config.num_attention_heads * self.config.head_dim)
+        cache = self.kv_cache
         self.kernel(
             qkv.data_ptr(),
             qkv.stride(0),
-            self.kv_cache.k[layer].data_ptr(),
-            self.kv_cache.v[layer].data_ptr(),
+            cache.k[layer].data_ptr(),
+            cache.v[layer].data_ptr(),
+            cache.k_scales[layer].data_ptr() if cache.int8 else None,
+            cache.v_scales[layer].data_ptr() if cache.int8 else None,
             out.data_ptr(),
             self._step_args,
         )
@@ -151,7 +156,8 @@ class KernelAttention:
 
 
 class TorchAttention:
-    """Any device and dtype: gathers each sequence's K/V blocks into a padded batch for one SDPA call."""
+    """Any device and dtype: gathers each sequence's K/V blocks (dequantized when the cache is int8) into a
+    padded batch for one SDPA call."""
 
     def __init__(self, kv_cache: KVCache, config: ModelConfig, cos_sin: torch.Tensor) -> None:
         self.kv_cache = kv_cache
@@ -171,14 +177,12 @@ class TorchAttention:
         q = apply_rope(qkv[:, : heads * d].view(tokens, heads, d), cos, sin)
         k = apply_rope(qkv[:, heads * d : (heads + kv_heads) * d].view(tokens, kv_heads, d), cos, sin)
         v = qkv[:, (heads + kv_heads) * d :].view(tokens, kv_heads, d)
-        k_cache, v_cache = self.kv_cache.k[layer], self.kv_cache.v[layer]  # [num_slots, KV, D]
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
-        num_seqs, bs = padded.block_tables.shape[0], self.kv_cache.block_size
-        context = padded.block_tables.shape[1] * bs
-        # [S, KV, L, D] through each sequence's block table
-        keys = k_cache.view(-1, bs, kv_heads, d)[padded.block_tables].view(num_seqs, context, kv_heads, d)
-        values = v_cache.view(-1, bs, kv_heads, d)[padded.block_tables].view(num_seqs, context, kv_heads, d)
+        cache = self.kv_cache
+        k_scales = cache.k_scales[layer] if cache.int8 else None
+        v_scales = cache.v_scales[layer] if cache.int8 else None
+        keys = self._write_and_gather(cache.k[layer], k_scales, k, meta.slot_mapping, padded.block_tables)
+        values = self._write_and_gather(cache.v[layer], v_scales, v, meta.slot_mapping, padded.block_tables)
+        num_seqs = padded.block_tables.shape[0]
         queries = q.new_zeros(num_seqs, padded.max_query_len, heads, d)
         queries[padded.token_seq, padded.token_row] = q
         out = F.scaled_dot_product_attention(
@@ -189,3 +193,26 @@ class TorchAttention:
             enable_gqa=kv_heads != heads,
         )  # [S, H, max_q, D]
         return out.transpose(1, 2)[padded.token_seq, padded.token_row].reshape(tokens, heads * d)
+
+    def _write_and_gather(
+        self,
+        cache: torch.Tensor,
+        scales: torch.Tensor | None,
+        new: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+    ) -> torch.Tensor:
+        """Write new [T, KV, D] into its slots of cache [num_slots, KV, D] (quantized, with scales
+        [num_slots, KV], when the cache is int8), then return each sequence's rows through its block table:
+        [S, max_blocks * block_size, KV, D] in new's dtype."""
+        bs, kv_heads, d = self.kv_cache.block_size, cache.shape[1], cache.shape[2]
+        shape = (block_tables.shape[0], block_tables.shape[1] * bs, kv_heads, d)
+        if scales is None:
+            cache.index_copy_(0, slot_mapping, new)
+            return cache.view(-1, bs, kv_heads, d)[block_tables].view(shape)
+        q, scale = quantize_kv(new)
+        cache.index_copy_(0, slot_mapping, q)
+        scales.index_copy_(0, slot_mapping, scale)
+        rows = cache.view(-1, bs, kv_heads, d)[block_tables].view(shape)
+        row_scales = scales.view(-1, bs, kv_heads)[block_tables].view(shape[:3])
+        return dequantize_kv(rows, row_scales, new.dtype)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from pipeline.runtime.attn_metadata import AttentionMetadata
 from pipeline.runtime.engine_config import ModelConfig
+from pipeline.runtime.model.fused_decoder import FusedDecoder
 from pipeline.runtime.model.greedy_head import GreedyLMHead
 from pipeline.runtime.model.layers import Attention, Linear, ResidualRMSNorm
 
@@ -49,12 +50,16 @@ class LlamaModel:
         self.attention = attention
         self.norm = norm
         self.greedy_head = greedy_head
+        # Steps of few tokens (decode) run each layer's dense part as one kernel call; None without kernels.
+        self.fused = FusedDecoder.build(config, weights)
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids [T] -> final hidden states [T, hidden] (before the last norm)."""
         inter, norm = self.config.intermediate_size, self.norm
         self.attention.begin_step(meta)
         hidden = F.embedding(input_ids, self.weights.embedding)  # [T, hidden], the residual stream
+        if self.fused is not None and input_ids.shape[0] <= self.fused.max_rows:
+            return self.fused.forward(hidden, self.attention, meta)
         mlp_out = None  # each layer's MLP output joins the residual in the next layer's first norm
         for i, layer in enumerate(self.weights.layers):
             x = norm(hidden, mlp_out, layer.input_norm)

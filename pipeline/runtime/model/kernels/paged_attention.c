@@ -7,23 +7,34 @@
 //             the query and key heads are rotated in place.
 //   cos_sin   [max_positions, D]: cos(pos * inv_freq) in the first D/2 columns, sin in the last D/2.
 //   positions [T] int64, slots [T] int64 (cache row of each token: block * block_size + offset).
-//   k_cache, v_cache [num_blocks * block_size, KV, D].
+//   k_cache, v_cache [num_blocks * block_size, KV, D]: fp32, or int8 when k_scales/v_scales are given.
+//   k_scales, v_scales [num_blocks * block_size, KV] fp32, or NULL: the int8 cache's per-token, per-head
+//             scales (symmetric: value = q * scale, scale = max|x| / 127 over the head's D values, never
+//             below FLT_MIN; q = round-half-even(x / scale)). runtime/kv_quant.py is the same format in torch.
 //   block_tables [num_seqs, bt_stride] int32, token_seq [T] int32 (which block table a token uses).
 //   out       [T, H * D].
 // Token t attends to positions max(0, pos - window + 1) .. pos of its sequence (window 0 = no window);
 // query head h reads key/value head h / (H / KV), as in HF's repeat_kv.
 //
 // NOTE: written with GCC vector extensions (8 floats) instead of intrinsics so it builds on any GCC
-// target; D must be a multiple of 8 (the Python side checks and otherwise uses the torch path).
+// target (AVX2 intrinsics only where GCC's vectors fall short, see widen8); D must be a multiple of 8 (the
+// Python side checks and otherwise uses the torch path). int8 cache values are widened to floats on read;
+// their scales are applied once per key (to its score) and once per value (to its softmax weight), never
+// per element.
 // Threads: OpenMP over (token, kv head). libgomp has the soname torch already loaded, so these parallel
 // regions reuse torch's thread team rather than adding a second set of spinning threads.
+#include <float.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 typedef float v8f __attribute__((vector_size(32)));
 typedef float v8f_u __attribute__((vector_size(32), aligned(4)));
 typedef int32_t v8i __attribute__((vector_size(32)));
+typedef int8_t v8c_u __attribute__((vector_size(8), aligned(1)));
 
 #define NEG_BIG (-3.0e38f)
 
@@ -31,6 +42,20 @@ static inline v8f load8(const float* p) { return *(const v8f_u*)p; }
 static inline void store8(float* p, v8f v) { *(v8f_u*)p = v; }
 static inline v8f splat8(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
 static inline float hsum8(v8f v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
+// 8 int8 values as floats. NOTE: GCC 12 lowers __builtin_convertvector from 8 x int8 to 8 scalar
+// conversions, so AVX2 targets spell out the two-instruction widening.
+static inline v8f widen8(const int8_t* p) {
+#ifdef __AVX2__
+  return (v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+#else
+  return __builtin_convertvector(*(const v8c_u*)p, v8f);
+#endif
+}
+// 8 cache values from element index i of a fp32 or (quant) int8 cache, as floats (int8: not yet scaled).
+static inline v8f load_cache8(const void* cache, int64_t i, const int quant) {
+  if (quant) return widen8((const int8_t*)cache + i);
+  return load8((const float*)cache + i);
+}
 
 // e^x for x <= 0 (softmax after subtracting the max): Cody-Waite range reduction x = n ln2 + r, a degree-6
 // polynomial for e^r (Cephes expf coefficients, ~1 ulp), then 2^n through the exponent bits.
@@ -54,6 +79,21 @@ static inline v8f exp8_nonpositive(v8f x) {
   return (v8f)((v8i)(y * (v8f)scale) & keep);
 }
 
+// One head's D values into int8 q and its scale (the format described at the top).
+static void quantize_head(const float* x, int64_t D, int8_t* q, float* scale) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < D; ++i) {
+    const float a = x[i] < 0 ? -x[i] : x[i];
+    amax = a > amax ? a : amax;
+  }
+  const float s = amax / 127.0f > FLT_MIN ? amax / 127.0f : FLT_MIN;
+  for (int64_t i = 0; i < D; ++i) {
+    const float r = __builtin_rintf(x[i] / s);
+    q[i] = (int8_t)(r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r));
+  }
+  *scale = s;
+}
+
 static void rope_row(float* x, const float* cos_sin, int64_t half) {
   const float* c = cos_sin;
   const float* s = cos_sin + half;
@@ -65,12 +105,15 @@ static void rope_row(float* x, const float* cos_sin, int64_t half) {
 }
 
 // Attention of one query head (q [D]) over positions lo .. lo + n - 1 of a sequence whose cache rows come
-// from `table`; kv head g of KV. scores: scratch of n rounded up to 8 floats.
-// NOTE: always_inline + the literal D of the callers below let GCC keep q and the output accumulator in
-// registers; four keys per iteration give the FMA chains independent work.
+// from `table`; kv head g of KV. scores: scratch of n rounded up to 8 floats. quant: the cache is int8 with
+// k_scales/v_scales.
+// NOTE: always_inline + the literal D and quant of the callers below let GCC keep q and the output
+// accumulator in registers and drop the branches of the other cache type; four keys per iteration give the
+// FMA chains independent work.
 static inline __attribute__((always_inline)) void attend_head(
-    const float* q, const int64_t D, const float* k_cache, const float* v_cache, int64_t KV, int64_t g,
-    const int32_t* table, int64_t block_size, int64_t lo, int64_t n, float scale, float* scores, float* out) {
+    const float* q, const int64_t D, const void* k_cache, const void* v_cache, const float* k_scales,
+    const float* v_scales, const int quant, int64_t KV, int64_t g, const int32_t* table, int64_t block_size,
+    int64_t lo, int64_t n, float scale, float* scores, float* out) {
   const int64_t row_stride = KV * D;
   v8f qv[D / 8];
   for (int64_t d = 0; d < D / 8; ++d) qv[d] = load8(q + 8 * d);
@@ -79,25 +122,28 @@ static inline __attribute__((always_inline)) void attend_head(
     const int64_t pos = lo + j;
     const int64_t offset = pos % block_size;
     const int64_t run = (block_size - offset < n - j) ? block_size - offset : n - j;
-    const float* k = k_cache + (((int64_t)table[pos / block_size] * block_size + offset) * KV + g) * D;
+    const int64_t head = ((int64_t)table[pos / block_size] * block_size + offset) * KV + g;  // (row, g)
+    int64_t k = head * D;  // element index of the key row in the cache
+    const float* ks = quant ? k_scales + head : NULL;
     int64_t r = 0;
     for (; r + 4 <= run; r += 4, k += 4 * row_stride) {
       v8f a0 = splat8(0.0f), a1 = a0, a2 = a0, a3 = a0;
       for (int64_t d = 0; d < D / 8; ++d) {
-        a0 += qv[d] * load8(k + 8 * d);
-        a1 += qv[d] * load8(k + row_stride + 8 * d);
-        a2 += qv[d] * load8(k + 2 * row_stride + 8 * d);
-        a3 += qv[d] * load8(k + 3 * row_stride + 8 * d);
+        a0 += qv[d] * load_cache8(k_cache, k + 8 * d, quant);
+        a1 += qv[d] * load_cache8(k_cache, k + row_stride + 8 * d, quant);
+        a2 += qv[d] * load_cache8(k_cache, k + 2 * row_stride + 8 * d, quant);
+        a3 += qv[d] * load_cache8(k_cache, k + 3 * row_stride + 8 * d, quant);
       }
-      const float s0 = hsum8(a0) * scale, s1 = hsum8(a1) * scale, s2 = hsum8(a2) * scale, s3 = hsum8(a3) * scale;
+      float s0 = hsum8(a0) * scale, s1 = hsum8(a1) * scale, s2 = hsum8(a2) * scale, s3 = hsum8(a3) * scale;
+      if (quant) s0 *= ks[r * KV], s1 *= ks[(r + 1) * KV], s2 *= ks[(r + 2) * KV], s3 *= ks[(r + 3) * KV];
       scores[j + r] = s0, scores[j + r + 1] = s1, scores[j + r + 2] = s2, scores[j + r + 3] = s3;
       const float m01 = s0 > s1 ? s0 : s1, m23 = s2 > s3 ? s2 : s3, m = m01 > m23 ? m01 : m23;
       if (m > row_max) row_max = m;
     }
     for (; r < run; ++r, k += row_stride) {
       v8f a = splat8(0.0f);
-      for (int64_t d = 0; d < D / 8; ++d) a += qv[d] * load8(k + 8 * d);
-      const float s = hsum8(a) * scale;
+      for (int64_t d = 0; d < D / 8; ++d) a += qv[d] * load_cache8(k_cache, k + 8 * d, quant);
+      const float s = hsum8(a) * scale * (quant ? ks[r * KV] : 1.0f);
       scores[j + r] = s;
       if (s > row_max) row_max = s;
     }
@@ -118,10 +164,11 @@ static inline __attribute__((always_inline)) void attend_head(
     const int64_t pos = lo + j;
     const int64_t offset = pos % block_size;
     const int64_t run = (block_size - offset < n - j) ? block_size - offset : n - j;
-    const float* v = v_cache + (((int64_t)table[pos / block_size] * block_size + offset) * KV + g) * D;
+    const int64_t head = ((int64_t)table[pos / block_size] * block_size + offset) * KV + g;
+    int64_t v = head * D;
     for (int64_t r = 0; r < run; ++r, v += row_stride) {
-      const v8f p = splat8(scores[j + r]);
-      for (int64_t d = 0; d < D / 8; ++d) acc[d] += p * load8(v + 8 * d);
+      const v8f p = splat8(scores[j + r] * (quant ? v_scales[head + r * KV] : 1.0f));
+      for (int64_t d = 0; d < D / 8; ++d) acc[d] += p * load_cache8(v_cache, v + 8 * d, quant);
     }
     j += run;
   }
@@ -129,23 +176,29 @@ static inline __attribute__((always_inline)) void attend_head(
   for (int64_t d = 0; d < D / 8; ++d) store8(out + 8 * d, acc[d] * inv);
 }
 
-static void attend_head_any(const float* q, int64_t D, const float* k_cache, const float* v_cache, int64_t KV,
-                            int64_t g, const int32_t* table, int64_t block_size, int64_t lo, int64_t n,
-                            float scale, float* scores, float* out) {
+static void attend_head_any(const float* q, int64_t D, const void* k_cache, const void* v_cache,
+                            const float* k_scales, const float* v_scales, int64_t KV, int64_t g,
+                            const int32_t* table, int64_t block_size, int64_t lo, int64_t n, float scale,
+                            float* scores, float* out) {
+#define ATTEND(DIM, QUANT) \
+  attend_head(q, DIM, k_cache, v_cache, k_scales, v_scales, QUANT, KV, g, table, block_size, lo, n, scale, scores, out)
+  const int quant = k_scales != NULL;
   switch (D) {
     case 64:
-      attend_head(q, 64, k_cache, v_cache, KV, g, table, block_size, lo, n, scale, scores, out);
+      if (quant) ATTEND(64, 1); else ATTEND(64, 0);
       break;
     case 128:
-      attend_head(q, 128, k_cache, v_cache, KV, g, table, block_size, lo, n, scale, scores, out);
+      if (quant) ATTEND(128, 1); else ATTEND(128, 0);
       break;
     default:
-      attend_head(q, D, k_cache, v_cache, KV, g, table, block_size, lo, n, scale, scores, out);
+      if (quant) ATTEND(D, 1); else ATTEND(D, 0);
   }
+#undef ATTEND
 }
 
 // Per-layer arguments first, then the ones shared by every layer of a step.
-int llmpipe_paged_attention(float* qkv, int64_t qkv_stride, float* k_cache, float* v_cache, float* out,
+int llmpipe_paged_attention(float* qkv, int64_t qkv_stride, void* k_cache, void* v_cache, float* k_scales,
+                            float* v_scales, float* out,
                             const float* cos_sin, const int64_t* positions, const int64_t* slots,
                             const int32_t* block_tables, int64_t bt_stride, const int32_t* token_seq, int64_t T,
                             int64_t H, int64_t KV, int64_t D, int64_t block_size, int64_t window,
@@ -158,8 +211,16 @@ int llmpipe_paged_attention(float* qkv, int64_t qkv_stride, float* k_cache, floa
     float* row = qkv + t * qkv_stride;
     const float* cs = cos_sin + positions[t] * D;
     for (int64_t h = 0; h < H + KV; ++h) rope_row(row + h * D, cs, D / 2);
-    memcpy(k_cache + slots[t] * KV * D, row + H * D, sizeof(float) * KV * D);
-    memcpy(v_cache + slots[t] * KV * D, row + (H + KV) * D, sizeof(float) * KV * D);
+    const int64_t slot = slots[t];
+    if (k_scales != NULL) {
+      for (int64_t g = 0; g < KV; ++g) {
+        quantize_head(row + (H + g) * D, D, (int8_t*)k_cache + (slot * KV + g) * D, k_scales + slot * KV + g);
+        quantize_head(row + (H + KV + g) * D, D, (int8_t*)v_cache + (slot * KV + g) * D, v_scales + slot * KV + g);
+      }
+    } else {
+      memcpy((float*)k_cache + slot * KV * D, row + H * D, sizeof(float) * KV * D);
+      memcpy((float*)v_cache + slot * KV * D, row + (H + KV) * D, sizeof(float) * KV * D);
+    }
   }
   const int64_t n_pad_max = (max_context + 7) & ~(int64_t)7;
   int failed = 0;
@@ -179,8 +240,8 @@ int llmpipe_paged_attention(float* qkv, int64_t qkv_stride, float* k_cache, floa
       const int64_t lo = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
       const int32_t* table = block_tables + (int64_t)token_seq[t] * bt_stride;
       for (int64_t h = g * G; h < (g + 1) * G; ++h)
-        attend_head_any(qkv + t * qkv_stride + h * D, D, k_cache, v_cache, KV, g, table, block_size, lo,
-                        pos + 1 - lo, scale, scores, out + t * H * D + h * D);
+        attend_head_any(qkv + t * qkv_stride + h * D, D, k_cache, v_cache, k_scales, v_scales, KV, g, table,
+                        block_size, lo, pos + 1 - lo, scale, scores, out + t * H * D + h * D);
     }
     free(scores);
   }

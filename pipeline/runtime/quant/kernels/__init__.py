@@ -20,7 +20,7 @@ import torch
 
 from pipeline.runtime.quant.kernels.build import load_library
 
-_OP_NAMES = ("gemm_f32", "gemm_int8", "gemm_int4", "dequant_int8", "dequant_int4")
+_OP_NAMES = ("gemm_f32", "gemm_int8", "gemm_int4", "dequant_int8", "dequant_int4", "greedy_argmax")
 
 
 @functools.cache
@@ -83,3 +83,38 @@ def dequantize_int4(
 ) -> torch.Tensor:
     """primitives.dequantize_int4, bit for bit."""
     return _op("dequant_int4")(packed, scales, zeros, group_size)
+
+
+def decoder_plan(
+    linears: list[torch.Tensor | None],
+    norms: list[torch.Tensor | None],
+    group_sizes: list[int],
+    eps: float,
+) -> Any:
+    """A `torch.classes.llmpipe_quant.DecoderPlan`: validated decoder-layer steps whose `run(i, hidden, attn)`
+    computes entry i's dense part in one call, updating the residual stream hidden [M, H] in place.
+
+    Per entry: 4 x [weight, scales, zeros, bias] in `linears` (None where absent) for the attention output
+    projection, the fused gate/up projection (gate rows first), the down projection and the next layer's fused
+    q/k/v, the weight's dtype picking the format (float32, int8 per channel, uint8 packed int4 with the entry's
+    `group_sizes`); [post-attention norm, next norm] weights in `norms`. `run` with attn [M, dense in]:
+    hidden += attn @ dense.T, then hidden += down(silu(gate(x)) * up(x)) with x = rms_norm(hidden) * post_norm;
+    then, with a next norm, it returns next_qkv(rms_norm(hidden) * next_norm), or the normed rows themselves
+    without next_qkv; without one, an empty [0, H] tensor. The plan keeps the weights alive.
+    """
+    _op("gemm_f32")  # builds and loads the library, or raises why not
+    return torch.classes.llmpipe_quant.DecoderPlan(linears, norms, group_sizes, eps)
+
+
+def greedy_argmax(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    weight: torch.Tensor,
+    error_per_l1: torch.Tensor,
+) -> torch.Tensor:
+    """argmax_v x[r] . weight[v] per row of x [R, K] (int64 [R], first maximum on ties), screening with the int8
+    copy (qweight [V, K], scales [V]) of weight [V, K]: exact when error_per_l1 [V] bounds, per unit of
+    ||x||_1, how far token v's int8 logit and its computed fp32 logit can each be from the true one. The exact
+    logits are gemm_f32's, bit for bit."""
+    return _op("greedy_argmax")(x, qweight, scales, weight, error_per_l1)

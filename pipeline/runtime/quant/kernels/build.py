@@ -24,9 +24,17 @@ import torch
 logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "qgemv.cpp", HERE / "torch_ops.cpp")
-# AVX2 + FMA only: the project's machines are not assumed to have AVX-512, and a cache may be shared by hosts.
-KERNEL_FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-std=c++20")
+SOURCES = tuple(HERE / name for name in ("qgemv.cpp", "decoder.cpp", "greedy_head.cpp", "torch_ops.cpp"))
+HEADERS = tuple(HERE / name for name in ("gemm_blocks.h", "decoder.h", "greedy_head.h"))
+KERNEL_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-std=c++20")
+# Instruction sets the kernels are built for, picked from this CPU's flags (the flags are part of the cache key,
+# so hosts sharing a cache each get their own build). AVX-512 widens the vectors and doubles the registers.
+ISA_FLAGS = {
+    "avx2": ("-mavx2", "-mfma"),
+    "avx512": ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),
+}
+AVX512_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
+ISA_ENV = "LLMPIPE_KERNEL_ISA"  # "avx2" builds the AVX2 kernels on an AVX-512 CPU (tests, comparisons)
 COMPILE_TIMEOUT_S = 600
 DISABLE_ENV = "LLMPIPE_DISABLE_KERNELS"
 CACHE_ENV = "LLMPIPE_CACHE_DIR"
@@ -51,24 +59,61 @@ def load_library() -> str:
     if shutil.which(compiler) is None:
         return f"no C++ compiler {compiler!r} on PATH (install g++ or set CXX)"
     try:
+        isa = kernel_isa()
         path = compile_cached(
-            "llmpipe_quant", SOURCES, [*KERNEL_FLAGS, *_torch_flags()], compiler, torch.__version__
+            f"llmpipe_quant_{isa}",
+            SOURCES,
+            [*KERNEL_FLAGS, *ISA_FLAGS[isa], *_torch_flags()],
+            compiler,
+            torch.__version__,
+            headers=HEADERS,
         )
         # NOTE: torch is already loaded, so the library's libgomp.so.1 resolves to torch's copy: kernels and
         # torch ops share one OpenMP thread team instead of two teams spinning on the same cores.
         torch.ops.load_library(str(path))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+    except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as exc:
         reason = f"building the quantized CPU kernels failed: {exc}"
         logger.warning("%s; using dequantize + matmul instead", reason)
         return reason
     return ""
 
 
-def compile_cached(name: str, sources: Sequence[Path], args: Sequence[str], compiler: str, salt: str) -> Path:
-    """`<cache_dir>/<name>-<hash>.so` built from `sources` with `compiler *args`, compiling only if absent."""
+def cpu_flags() -> frozenset[str]:
+    """The feature flags /proc/cpuinfo lists for this CPU (empty where it cannot be read)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
+
+
+def kernel_isa() -> str:
+    """The kernels' instruction set: avx512 where this CPU has AVX-512 F/BW/VL/DQ, else avx2; the environment
+    variable LLMPIPE_KERNEL_ISA=avx2 forces avx2."""
+    forced = os.environ.get(ISA_ENV, "").strip().lower()
+    if forced not in ("", "avx2", "avx512"):
+        raise ValueError(f"{ISA_ENV}={forced!r}: expected avx2 or avx512")
+    if forced == "avx2" or not cpu_flags() >= AVX512_CPU_FLAGS:
+        return "avx2"
+    return "avx512"
+
+
+def compile_cached(
+    name: str,
+    sources: Sequence[Path],
+    args: Sequence[str],
+    compiler: str,
+    salt: str,
+    headers: Sequence[Path] = (),
+) -> Path:
+    """`<cache_dir>/<name>-<hash>.so` built from `sources` with `compiler *args`, compiling only if absent;
+    `headers` (included by the sources) are part of the hash."""
     digest = hashlib.sha256()
     for part in [
-        *(p.read_bytes() for p in sources),
+        *(p.read_bytes() for p in (*sources, *headers)),
         compiler.encode(),
         *(a.encode() for a in args),
         salt.encode(),

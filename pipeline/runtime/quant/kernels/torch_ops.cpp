@@ -1,4 +1,5 @@
-// Torch custom ops (namespace llmpipe_quant) over the AVX2 kernels in qgemv.cpp.
+// Torch custom ops (namespace llmpipe_quant) over the AVX2 kernels in qgemv.cpp, decoder.cpp and
+// greedy_head.cpp.
 //
 // Why ops and not ctypes: a dispatcher call that allocates its output in C++ costs ~4 us, a ctypes call plus a
 // Python-side torch.empty ~13 us, and a decode step makes ~120 of these calls on small matrices.
@@ -6,9 +7,14 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <optional>
+#include <vector>
+
+#include "decoder.h"
+#include "greedy_head.h"
 
 extern "C" {
 void llmp_gemm_f32(const float* x, int64_t M, int64_t K, int64_t ldx, const float* w, const float* bias,
@@ -125,6 +131,158 @@ at::Tensor dequant_int4(const at::Tensor& packed, const at::Tensor& scales, cons
   return out;
 }
 
+// A linear layer given as [weight, scales, zeros, bias] (absent entries None); the format follows the weight's
+// dtype: float32 dense, int8 per-channel, uint8 packed int4 (group_size from the caller).
+llmp::LinearRef linear_ref(const c10::List<std::optional<at::Tensor>>& parts, int64_t first, int64_t group_size,
+                           const char* name) {
+  llmp::LinearRef l;
+  const std::optional<at::Tensor> w = parts.get(first), scales = parts.get(first + 1),
+                                  zeros = parts.get(first + 2);
+  if (!w) return l;
+  TORCH_CHECK(w->dim() == 2, name, ": weight must be 2-D, got ", w->sizes());
+  l.N = w->size(0);
+  switch (w->scalar_type()) {
+    case at::kFloat:
+      l.kind = llmp::WeightKind::kF32;
+      l.K = w->size(1);
+      expect(*w, at::kFloat, {l.N, l.K}, name);
+      break;
+    case at::kChar:
+      l.kind = llmp::WeightKind::kInt8;
+      l.K = w->size(1);
+      expect(*w, at::kChar, {l.N, l.K}, name);
+      TORCH_CHECK(scales.has_value(), name, ": int8 needs scales");
+      expect(*scales, at::kFloat, {l.N}, "scales");
+      l.scales = scales->const_data_ptr<float>();
+      break;
+    case at::kByte: {
+      l.kind = llmp::WeightKind::kInt4;
+      l.K = w->size(1) * 2;
+      l.group_size = group_size;
+      const int64_t G = num_groups(l.K, group_size);
+      expect(*w, at::kByte, {l.N, l.K / 2}, name);
+      TORCH_CHECK(scales.has_value() && zeros.has_value(), name, ": int4 needs scales and zeros");
+      expect(*scales, at::kFloat, {l.N, G}, "scales");
+      expect(*zeros, at::kFloat, {l.N, G}, "zeros");
+      l.scales = scales->const_data_ptr<float>();
+      l.zeros = zeros->const_data_ptr<float>();
+      break;
+    }
+    default:
+      TORCH_CHECK(false, name, ": unsupported weight dtype ", w->scalar_type());
+  }
+  l.w = w->const_data_ptr();
+  l.bias = bias_ptr(parts.get(first + 3), l.N);
+  return l;
+}
+
+const float* vector_ptr(const std::optional<at::Tensor>& t, int64_t H, const char* name) {
+  if (!t) return nullptr;
+  expect(*t, at::kFloat, {H}, name);
+  return t->const_data_ptr<float>();
+}
+
+// Validated per-layer templates of llmp::DecoderStep, built once per model: each decode step then passes only
+// the residual stream and the attention output (a call with lists of ~20 tensors costs ~10 us more).
+// Entry i is built from linears[16 i .. 16 i + 15] = 4 x [weight, scales, zeros, bias] for dense, gate_up,
+// down and next_qkv, norms[2 i], norms[2 i + 1] = post_norm, next_norm, group_sizes[4 i .. 4 i + 3].
+struct DecoderPlan : torch::CustomClassHolder {
+  DecoderPlan(const c10::List<std::optional<at::Tensor>>& linears, const c10::List<std::optional<at::Tensor>>& norms,
+              const std::vector<int64_t>& group_sizes, double eps) {
+    const size_t count = norms.size() / 2;
+    TORCH_CHECK(count > 0 && norms.size() == 2 * count && linears.size() == 16 * count &&
+                    group_sizes.size() == 4 * count,
+                "DecoderPlan: expected 16 linear tensors, 2 norms and 4 group sizes per entry");
+    for (const auto& list : {linears, norms})
+      for (size_t i = 0; i < list.size(); ++i)
+        if (const std::optional<at::Tensor> t = list.get(i)) keep_.push_back(*t);
+    for (size_t i = 0; i < count; ++i) steps_.push_back(make_step(linears, norms, group_sizes, i, eps));
+  }
+
+  at::Tensor run(int64_t index, const at::Tensor& hidden, const std::optional<at::Tensor>& attn) const {
+    TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(steps_.size()), "DecoderPlan: no entry ", index);
+    llmp::DecoderStep s = steps_[index];
+    TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == s.H, "hidden: expected [M, ", s.H, "]");
+    const int64_t M = hidden.size(0);
+    expect(hidden, at::kFloat, {M, s.H}, "hidden");
+    s.hidden = hidden.data_ptr<float>();
+    s.M = M;
+    at::Tensor attn_rows, gate_up_out, act, out;
+    if (attn) {
+      TORCH_CHECK(s.dense.kind != llmp::WeightKind::kAbsent, "DecoderPlan: entry ", index, " takes no attn");
+      attn_rows = attn->contiguous();
+      expect(attn_rows, at::kFloat, {M, s.dense.K}, "attn");
+      s.attn = attn_rows.const_data_ptr<float>();
+      gate_up_out = at::empty({M, s.gate_up.N}, hidden.options());
+      act = at::empty({M, s.gate_up.N / 2}, hidden.options());
+      s.gate_up_out = gate_up_out.mutable_data_ptr<float>();
+      s.act = act.mutable_data_ptr<float>();
+    }
+    if (s.next_qkv.kind != llmp::WeightKind::kAbsent) {
+      out = at::empty({M, s.next_qkv.N}, hidden.options());
+    } else {
+      out = at::empty({s.next_norm != nullptr ? M : 0, s.H}, hidden.options());
+    }
+    s.out = out.mutable_data_ptr<float>();
+    llmp::decoder_step(s, at::get_num_threads());
+    return out;
+  }
+
+ private:
+  static llmp::DecoderStep make_step(const c10::List<std::optional<at::Tensor>>& linears,
+                                     const c10::List<std::optional<at::Tensor>>& norms,
+                                     const std::vector<int64_t>& group_sizes, size_t i, double eps) {
+    llmp::DecoderStep s{};
+    s.eps = static_cast<float>(eps);
+    s.dense = linear_ref(linears, 16 * i, group_sizes[4 * i], "dense");
+    s.gate_up = linear_ref(linears, 16 * i + 4, group_sizes[4 * i + 1], "gate_up");
+    s.down = linear_ref(linears, 16 * i + 8, group_sizes[4 * i + 2], "down");
+    s.next_qkv = linear_ref(linears, 16 * i + 12, group_sizes[4 * i + 3], "next_qkv");
+    const std::optional<at::Tensor> post_norm = norms.get(2 * i), next_norm = norms.get(2 * i + 1);
+    const std::optional<at::Tensor>& any_norm = post_norm ? post_norm : next_norm;
+    TORCH_CHECK(any_norm && any_norm->dim() == 1, "DecoderPlan: entry ", i, " has no norm weight");
+    s.H = any_norm->size(0);
+    s.post_norm = vector_ptr(post_norm, s.H, "post_norm");
+    s.next_norm = vector_ptr(next_norm, s.H, "next_norm");
+    using K = llmp::WeightKind;
+    const bool mlp = s.dense.kind != K::kAbsent;
+    TORCH_CHECK(!mlp || (s.gate_up.kind != K::kAbsent && s.down.kind != K::kAbsent && s.post_norm != nullptr),
+                "DecoderPlan: dense needs gate_up, down and post_norm");
+    const int64_t H = s.H, I = s.gate_up.N / 2;
+    TORCH_CHECK(!mlp || (s.dense.N == H && s.gate_up.K == H && s.gate_up.N == 2 * I && s.down.K == I &&
+                         s.down.N == H),
+                "DecoderPlan: linear shapes do not chain: dense ", s.dense.N, "x", s.dense.K, ", gate_up ",
+                s.gate_up.N, "x", s.gate_up.K, ", down ", s.down.N, "x", s.down.K, ", hidden ", H);
+    TORCH_CHECK(s.next_qkv.kind == K::kAbsent || (s.next_norm != nullptr && s.next_qkv.K == H),
+                "DecoderPlan: next_qkv needs next_norm and ", H, " inputs");
+    for (const llmp::LinearRef* l : {&s.dense, &s.gate_up, &s.down, &s.next_qkv})
+      TORCH_CHECK(llmp::walkable(*l), "DecoderPlan: an int4 layer has group size ", l->group_size,
+                  " (the kernels need 32 or a multiple of 64) or odd in_features ", l->K);
+    return s;
+  }
+
+  std::vector<at::Tensor> keep_;  // the weights the templates point into
+  std::vector<llmp::DecoderStep> steps_;
+};
+
+at::Tensor greedy_argmax(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
+                         const at::Tensor& weight, const at::Tensor& error_per_l1) {
+  TORCH_CHECK(weight.dim() == 2, "weight: expected [V, K]");
+  const int64_t V = weight.size(0), K = weight.size(1);
+  expect(weight, at::kFloat, {V, K}, "weight");
+  expect(qweight, at::kChar, {V, K}, "qweight");
+  expect(scales, at::kFloat, {V}, "scales");
+  expect(error_per_l1, at::kFloat, {V}, "error_per_l1");
+  TORCH_CHECK(V > 0, "weight: empty vocabulary");
+  const at::Tensor x = activations(x_in, K).contiguous();
+  at::Tensor out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  llmp::greedy_argmax_int8(x.const_data_ptr<float>(), x.size(0), K, qweight.const_data_ptr<int8_t>(),
+                           scales.const_data_ptr<float>(), weight.const_data_ptr<float>(), V,
+                           error_per_l1.const_data_ptr<float>(), at::get_num_threads(),
+                           out.mutable_data_ptr<int64_t>());
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(llmpipe_quant, m) {
@@ -133,6 +291,11 @@ TORCH_LIBRARY(llmpipe_quant, m) {
   m.def("gemm_int4(Tensor x, Tensor packed, Tensor scales, Tensor zeros, int group_size, Tensor? bias) -> Tensor");
   m.def("dequant_int8(Tensor qweight, Tensor scales) -> Tensor");
   m.def("dequant_int4(Tensor packed, Tensor scales, Tensor zeros, int group_size) -> Tensor");
+  m.class_<DecoderPlan>("DecoderPlan")
+      .def(torch::init<c10::List<std::optional<at::Tensor>>, c10::List<std::optional<at::Tensor>>,
+                       std::vector<int64_t>, double>())
+      .def("run", &DecoderPlan::run);
+  m.def("greedy_argmax(Tensor x, Tensor qweight, Tensor scales, Tensor weight, Tensor error_per_l1) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llmpipe_quant, CPU, m) {
@@ -141,4 +304,5 @@ TORCH_LIBRARY_IMPL(llmpipe_quant, CPU, m) {
   m.impl("gemm_int4", gemm_int4);
   m.impl("dequant_int8", dequant_int8);
   m.impl("dequant_int4", dequant_int4);
+  m.impl("greedy_argmax", greedy_argmax);
 }

@@ -1,0 +1,159 @@
+"""Activation-aware scaling of a runtime-layout checkpoint before weight-only quantization (int4_awq, and
+int8_wo with quantization.activation_aware).
+
+Per transformer block, each linear layer's input scales s are searched (runtime.quant.awq) and folded so
+that the engine computes the same function with unchanged kernels (quant_algo W4A16_AWQ or W8A16, no
+pre_quant_scale): the layer's weight columns are multiplied by s and whatever produces its input is
+divided by s:
+    attention.qkv    <- input_layernorm.weight
+    attention.dense  <- the v rows of attention.qkv (with GQA, one v row feeds the same column of every
+                        head in its group, so those columns share a scale)
+    mlp.gate_up      <- post_layernorm.weight
+    mlp.proj         <- the up rows of mlp.gate_up (silu(gate) * up is linear in up)
+Each layer's clipping ranges are then searched on its scaled weight. Dividing a weight's rows (the folds
+into qkv's v rows and gate_up's up rows) commutes with per-row quantization and clipping, so every search
+can run on the unfolded block and the folds follow.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pipeline.runtime.quant.awq import InputStats, WeightFormat, output_error, search_clip, search_scales
+
+LINEARS = ("attention.qkv", "attention.dense", "mlp.gate_up", "mlp.proj")
+
+
+@dataclass(frozen=True)
+class Shape:
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+
+    @classmethod
+    def of(cls, pretrained: dict[str, Any]) -> Shape:
+        return cls(
+            pretrained["num_attention_heads"],
+            pretrained["num_key_value_heads"],
+            pretrained["head_dim"],
+            pretrained["intermediate_size"],
+        )
+
+    @property
+    def v_rows(self) -> slice:
+        """The v projection's rows inside attention.qkv (q, then k, then v)."""
+        d = self.head_dim
+        return slice((self.heads + self.kv_heads) * d, (self.heads + 2 * self.kv_heads) * d)
+
+    def per_kv_column(self, per_head_column: torch.Tensor) -> torch.Tensor:
+        """[heads * d] -> [kv_heads, heads / kv_heads, d]: the columns that one v row feeds, side by side."""
+        return per_head_column.view(self.kv_heads, self.heads // self.kv_heads, self.head_dim)
+
+    def tie_heads(self, per_head_column: torch.Tensor) -> torch.Tensor:
+        """Average over the heads of each KV group, so every column fed by one v row gets one value."""
+        grouped = self.per_kv_column(per_head_column)
+        return grouped.mean(1, keepdim=True).expand_as(grouped).reshape(-1)
+
+
+def fold_block_scales(
+    tensors: dict[str, torch.Tensor], block: int, scales: dict[str, torch.Tensor], shape: Shape
+) -> None:
+    """Multiply each linear layer's input columns by `scales[name]` and divide what feeds them by the same,
+    in place: the block computes the same function (up to float rounding)."""
+    scale_columns(tensors, block, scales)
+    fold_into_producers(tensors, block, scales, shape)
+
+
+def scale_columns(tensors: dict[str, torch.Tensor], block: int, scales: dict[str, torch.Tensor]) -> None:
+    """W[:, c] *= s[c] for each linear layer of `block` (half of a fold: the inputs still need dividing)."""
+    for name, s in scales.items():
+        _update(tensors, f"transformer.layers.{block}.{name}.weight", lambda w, s=s: w * s)
+
+
+def fold_into_producers(
+    tensors: dict[str, torch.Tensor], block: int, scales: dict[str, torch.Tensor], shape: Shape
+) -> None:
+    """Divide whatever produces each linear layer's input by its scales (the other half of a fold)."""
+    p = f"transformer.layers.{block}."
+    s = scales["attention.qkv"]
+    _update(tensors, p + "input_layernorm.weight", lambda w: w / s)
+
+    grouped = shape.per_kv_column(scales["attention.dense"])
+    if not torch.equal(grouped, grouped[:, :1].expand_as(grouped)):
+        raise ValueError(f"layer {block}: attention.dense scales differ within a KV head group")
+    s_v = grouped[:, 0].reshape(-1)
+    v = shape.v_rows
+    _update(tensors, p + "attention.qkv.weight", lambda w: torch.cat((w[: v.start], w[v] / s_v[:, None])))
+    if p + "attention.qkv.bias" in tensors:
+        _update(tensors, p + "attention.qkv.bias", lambda b: torch.cat((b[: v.start], b[v] / s_v)))
+
+    s = scales["mlp.gate_up"]
+    _update(tensors, p + "post_layernorm.weight", lambda w: w / s)
+
+    s = scales["mlp.proj"]
+    inter = shape.intermediate
+    _update(tensors, p + "mlp.gate_up.weight", lambda w: torch.cat((w[:inter], w[inter:] / s[:, None])))
+
+
+def _update(tensors: dict[str, torch.Tensor], name: str, fn: Any) -> None:
+    tensors[name] = fn(tensors[name].to(torch.float32)).to(tensors[name].dtype)
+
+
+def apply_activation_aware_scales(
+    tensors: dict[str, torch.Tensor],
+    pretrained: dict[str, Any],
+    block_stats: Iterable[tuple[int, dict[str, InputStats]]],
+    fmt: WeightFormat,
+    *,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Search, clip and fold every block of `tensors` (runtime layout, in place) against its calibration
+    statistics. Returns facts: per linear layer, the alpha chosen in each block, and the output error of
+    the result relative to round-to-nearest (geometric mean over blocks)."""
+    from tqdm import tqdm
+
+    shape = Shape.of(pretrained)
+    alphas: dict[str, list[float]] = {name: [] for name in LINEARS}
+    log_ratios: dict[str, list[float]] = {name: [] for name in LINEARS}
+    bar = tqdm(
+        block_stats,
+        total=pretrained["num_hidden_layers"],
+        desc=f"AWQ search ({fmt.scheme})",
+        unit="layer",
+        file=sys.stderr,
+        disable=not progress,
+    )
+    for block, stats in bar:
+        p = f"transformer.layers.{block}."
+        scales = {}
+        for name in LINEARS:
+            key = f"{p}{name}.weight"
+            original = tensors[key].to(torch.float32)
+            found = search_scales(
+                original, stats[name], fmt, tie=shape.tie_heads if name == "attention.dense" else None
+            )
+            s = scales[name] = found.scales
+            # The scaled layer sees inputs x / s: E[(x/s)(x/s)^T] = M / (s s^T).
+            scaled = search_clip(original * s, stats[name].second_moment / torch.outer(s, s), fmt)
+            tensors[key] = scaled.to(tensors[key].dtype)
+            error = output_error(fmt.round_trip(scaled) / s - original, stats[name].second_moment)
+            alphas[name].append(found.alpha)
+            log_ratios[name].append(math.log(max(error, 1e-30) / max(found.plain_error, 1e-30)))
+        fold_into_producers(tensors, block, scales, shape)
+        bar.set_postfix_str(
+            "error vs RTN " + " ".join(f"{math.exp(log_ratios[n][-1]):.2f}" for n in LINEARS), refresh=False
+        )
+    bar.close()
+    return {
+        "alpha": alphas,
+        "error_vs_round_to_nearest": {
+            name: round(math.exp(sum(v) / len(v)), 4) if v else None for name, v in log_ratios.items()
+        },
+    }

@@ -1,0 +1,209 @@
+// A decoder layer's dense part (attention output projection, residual adds, RMSNorms, SwiGLU MLP and the next
+// layer's q/k/v projection) for few token rows, in one OpenMP parallel region (see decoder.h).
+//
+// Why: in decode each of these ops is a few tens of microseconds of work, and running them as ~10 separate
+// torch ops per layer made per-op overhead (Python, dispatch, allocation, waking the second thread for every
+// GEMV) cost as much as the GEMVs. Here the team is woken once per call and synchronizes at the barriers the
+// data dependencies need (after each GEMV). Every GEMV splits its output rows across the team in chunks taken
+// dynamically, so a thread the OS delays on a busy machine does less of the work instead of holding the rest.
+//
+// Numerics: each output is the same dot product as the per-layer kernels (qgemv.cpp) compute, RMSNorm and
+// SiLU follow HF's order of operations (x * rsqrt(mean(x^2) + eps) * weight; x / (1 + exp(-x))).
+#include "decoder.h"
+
+#include <vector>
+
+#include "gemm_blocks.h"
+
+namespace llmp {
+namespace {
+
+constexpr int kRows = 4;             // weight rows per block (NB of rows<>)
+constexpr int64_t kUnit = 8;         // MLP columns per work unit: two blocks of gate rows and two of up rows
+constexpr int kChunksPerThread = 8;  // dynamic chunks per thread and GEMV: small enough to rebalance
+
+// Scratch each thread reuses across calls (OpenMP keeps its threads): normed activations + int4 buffers.
+thread_local std::vector<float> tls_scratch;
+
+inline float* thread_scratch(size_t floats) {
+  if (tls_scratch.size() < floats) tls_scratch.resize(floats);
+  return tls_scratch.data();
+}
+
+int64_t chunk_for(int64_t units, int num_threads) {
+  const int64_t c = units / (int64_t{kChunksPerThread} * num_threads);
+  return c > 0 ? c : 1;
+}
+
+// e^x, |x| <= 88 after clamping: x = n ln2 + r (Cody-Waite), a degree-6 polynomial for e^r (Cephes expf
+// coefficients, ~1 ulp), 2^n through the exponent bits.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+// act[m, j] = silu(gate[m, j]) * up[m, j] for columns j0 .. j1 - 1; gate_up rows hold I gate then I up values.
+void silu_mul(const float* gate_up, int64_t M, int64_t I, int64_t j0, int64_t j1, float* act) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* g = gate_up + m * 2 * I;
+    const float* u = g + I;
+    float* a = act + m * I;
+    int64_t j = j0;
+    for (; j + 8 <= j1; j += 8) {
+      const __m256 x = _mm256_loadu_ps(g + j);
+      const __m256 s = _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+      _mm256_storeu_ps(a + j, _mm256_mul_ps(s, _mm256_loadu_ps(u + j)));
+    }
+    for (; j < j1; ++j) a[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+  }
+}
+
+// out[m] = hidden[m] * (1 / sqrt(mean(hidden[m]^2) + eps)) * weight, like HF's LlamaRMSNorm in fp32.
+void rms_norm_rows(const float* hidden, int64_t M, int64_t H, const float* weight, float eps, float* out) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* h = hidden + m * H;
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= H; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(h + i), _mm256_loadu_ps(h + i), acc);
+    float sum = hsum(acc);
+    for (; i < H; ++i) sum += h[i] * h[i];
+    const float inv = 1.0f / sqrtf(sum / static_cast<float>(H) + eps);
+    float* o = out + m * H;
+    for (i = 0; i < H; ++i) o[i] = weight[i] * (h[i] * inv);
+  }
+}
+
+// Called by every thread of the team (or alone, outside a parallel region): the blocks of kRows output rows
+// are shared out dynamically; the loop's closing barrier makes y complete for everyone.
+template <typename Fmt>
+void team_rows(const Fmt& f, const Problem& p) {
+  const int64_t num_blocks = (p.N + kRows - 1) / kRows;
+#pragma omp for schedule(dynamic, chunk_for(num_blocks, omp_get_num_threads()))
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t n0 = b * kRows;
+    if (n0 + kRows <= p.N) {
+      rows<kRows>(f, p, n0);
+    } else {
+      for (int64_t n = n0; n < p.N; ++n) rows<1>(f, p, n);
+    }
+  }
+}
+
+// gate_up then silu * up, one work unit = kUnit MLP columns (their gate and up rows), so the thread that
+// computed a column's gate and up values applies the activation without waiting for the others.
+template <typename Fmt>
+void team_gate_up(const Fmt& f, const Problem& p, float* act) {
+  const int64_t I = p.N / 2, num_units = (I + kUnit - 1) / kUnit;
+#pragma omp for schedule(dynamic, chunk_for(num_units, omp_get_num_threads()))
+  for (int64_t u = 0; u < num_units; ++u) {
+    const int64_t j0 = u * kUnit, j1 = j0 + kUnit < I ? j0 + kUnit : I;
+    int64_t j = j0;
+    for (; j + kRows <= j1; j += kRows) {
+      rows<kRows>(f, p, j);
+      rows<kRows>(f, p, I + j);
+    }
+    for (; j < j1; ++j) {
+      rows<1>(f, p, j);
+      rows<1>(f, p, I + j);
+    }
+    silu_mul(p.y, p.M, I, j0, j1, act);
+  }
+}
+
+int64_t num_groups(const LinearRef& l) { return (l.K + l.group_size - 1) / l.group_size; }
+
+// Floats of per-thread scratch a linear needs beyond the normed activations.
+int64_t linear_scratch(const LinearRef& l, int64_t M) {
+  if (l.kind != WeightKind::kInt4) return 0;
+  return M <= kInt4DirectMaxRows ? M * (l.K + num_groups(l)) : Int4Tile::kTileRows * l.K;
+}
+
+// y = x @ W.T + bias (or y += ..., `accumulate`) with the team; `pair_act` selects the gate_up form.
+void team_linear(const LinearRef& l, const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy,
+                 bool accumulate, float* scratch, float* pair_act) {
+  const Problem p{x, M, l.K, ldx, l.N, l.bias, y, ldy, accumulate};
+  auto go = [&](const auto& fmt) {
+    if (pair_act != nullptr) {
+      team_gate_up(fmt, p, pair_act);
+    } else {
+      team_rows(fmt, p);
+    }
+  };
+  switch (l.kind) {
+    case WeightKind::kF32:
+      go(DenseF32{static_cast<const float*>(l.w)});
+      break;
+    case WeightKind::kInt8:
+      go(Int8{static_cast<const int8_t*>(l.w), l.scales});
+      break;
+    case WeightKind::kInt4: {
+      const int64_t G = num_groups(l);
+      const auto* w = static_cast<const uint8_t*>(l.w);
+      if (M <= kInt4DirectMaxRows) {
+        // Each thread permutes its own copy of the (few) activation rows: cheaper than a barrier.
+        prepare_int4_activations(p, l.group_size, G, scratch, scratch + M * l.K);
+        go(Int4Direct{w, l.scales, l.zeros, scratch, scratch + M * l.K, l.group_size, G});
+      } else {
+        go(Int4Tile{w, l.scales, l.zeros, l.group_size, G, scratch, 0});
+      }
+      break;
+    }
+    case WeightKind::kAbsent:
+      break;
+  }
+}
+
+}  // namespace
+
+bool walkable(const LinearRef& l) {
+  return l.kind != WeightKind::kInt4 ||
+         ((l.group_size == 32 || (l.group_size > 0 && l.group_size % kChunk == 0)) && l.K % 2 == 0);
+}
+
+void decoder_step(const DecoderStep& s, int num_threads) {
+  const int64_t M = s.M, H = s.H;
+  int64_t extra = 0, work = 0;
+  for (const LinearRef* l : {&s.dense, &s.gate_up, &s.down, &s.next_qkv}) {
+    const int64_t need = linear_scratch(*l, M);
+    extra = need > extra ? need : extra;
+    work += l->N * l->K * M;
+  }
+  const size_t scratch_floats = static_cast<size_t>(M * H + extra);
+  // Tiny models (unit tests) are faster without waking the second thread.
+  const bool threaded = num_threads > 1 && work >= (int64_t{1} << 18);
+#pragma omp parallel num_threads(num_threads) if (threaded)
+  {
+    float* x = thread_scratch(scratch_floats);  // this thread's copy of the normed activations [M, H]
+    float* lin = x + M * H;
+    if (s.attn != nullptr) {
+      team_linear(s.dense, s.attn, M, s.dense.K, s.hidden, H, true, lin, nullptr);
+      rms_norm_rows(s.hidden, M, H, s.post_norm, s.eps, x);
+      team_linear(s.gate_up, x, M, H, s.gate_up_out, s.gate_up.N, false, lin, s.act);
+      team_linear(s.down, s.act, M, s.down.K, s.hidden, H, true, lin, nullptr);
+    }
+    if (s.next_norm != nullptr) {
+      rms_norm_rows(s.hidden, M, H, s.next_norm, s.eps, x);
+      if (s.next_qkv.kind != WeightKind::kAbsent) {
+        team_linear(s.next_qkv, x, M, H, s.out, s.next_qkv.N, false, lin, nullptr);
+      } else {
+#pragma omp single
+        for (int64_t i = 0; i < M * H; ++i) s.out[i] = x[i];
+      }
+    }
+  }
+}
+
+}  // namespace llmp

@@ -1,0 +1,49 @@
+// Exact greedy argmax of x @ W.T for the lm_head, reading mostly an int8 copy of W (see
+// pipeline/runtime/model/greedy_head.py for the error bound): approximate logits from the int8 rows for the whole
+// vocabulary, then exact fp32 logits only for the tokens whose approximation lies within the bound of the best.
+// One call instead of ~12 torch ops, and no [rows, vocab] tensors beyond the approximate logits.
+#include "greedy_head.h"
+
+#include <memory>
+
+#include "gemm_blocks.h"
+
+namespace llmp {
+
+void greedy_argmax_int8(const float* x, int64_t R, int64_t K, const int8_t* qweight, const float* scales,
+                        const float* weight, int64_t V, const float* error_per_l1, int num_threads, int64_t* out) {
+  const std::unique_ptr<float[]> approx(new float[R * V]);
+  const Problem p{x, R, K, K, V, nullptr, approx.get(), V, false};
+  const Int8 fmt{qweight, scales};
+  const int64_t num_blocks = V / 4;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && V * K >= (1 << 16))
+  for (int64_t b = 0; b < num_blocks; ++b) rows<4>(fmt, p, 4 * b);
+  for (int64_t n = num_blocks * 4; n < V; ++n) rows<1>(fmt, p, n);
+
+  for (int64_t r = 0; r < R; ++r) {
+    const float* xr = x + r * K;
+    const float* a = approx.get() + r * V;
+    float l1 = 0.0f;
+    for (int64_t k = 0; k < K; ++k) l1 += fabsf(xr[k]);
+    // Token v's exact logit lies within a[v] -+ l1 * error_per_l1[v]; it can be the argmax only if its upper
+    // bound reaches the best lower bound.
+    float best_lower = a[0] - l1 * error_per_l1[0];
+    for (int64_t v = 1; v < V; ++v) {
+      const float lower = a[v] - l1 * error_per_l1[v];
+      best_lower = lower > best_lower ? lower : best_lower;
+    }
+    int64_t best = -1;
+    float best_logit = 0.0f;
+    for (int64_t v = 0; v < V; ++v) {
+      if (a[v] + l1 * error_per_l1[v] < best_lower) continue;
+      // NOTE: dense_block's per-row summation order does not depend on its block shape, so this equals the
+      // logit gemm_f32 computes for the same row (the sampling path's logits) bit for bit.
+      float logit[1][1];
+      dense_block<float, 1, 1>(xr, K, weight + v * K, K, K, weight + v * K, logit);
+      if (best < 0 || logit[0][0] > best_logit) best = v, best_logit = logit[0][0];  // first maximum on ties
+    }
+    out[r] = best;
+  }
+}
+
+}  // namespace llmp

@@ -1,0 +1,14 @@
+// Exact greedy argmax of the lm_head screened through an int8 copy of its weight (greedy_head.cpp).
+#pragma once
+
+#include <stdint.h>
+
+namespace llmp {
+
+// out[r] = argmax_v x[r] . weight[v] (the first maximum on ties), for x [R, K], weight [V, K] fp32 and its int8
+// copy qweight [V, K] with per-row scales [V]; error_per_l1[v] bounds the error of token v's approximate logit
+// (and of the fp32 one) per unit of ||x||_1.
+void greedy_argmax_int8(const float* x, int64_t R, int64_t K, const int8_t* qweight, const float* scales,
+                        const float* weight, int64_t V, const float* error_per_l1, int num_threads, int64_t* out);
+
+}  // namespace llmp

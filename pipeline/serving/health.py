@@ -1,0 +1,92 @@
+"""Is a running tritonserver still able to serve? What `llmpipe serve` watches while the server runs.
+
+Triton 2.51 does not report a Python backend stub that died (SIGKILL, out of memory): /v2/health/ready,
+/v2/health/live and the model's ready endpoint stay 200, the repository index keeps it READY, nothing is
+logged, and the stub is never restarted (decoupled or not); every later request to the model fails after
+~1 s with "Stub process '<model>_0_0' is not healthy" (measured). So besides readiness, the watch checks
+that every stub the server had started once it was ready is still alive. Linux only (/proc).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+STUB_BINARY = "triton_python_backend_stub"
+
+
+@dataclass(frozen=True)
+class GroupProcess:
+    pid: int
+    state: str  # /proc/<pid>/stat's state letter: "Z" is a zombie (dead, not yet reaped)
+    argv: list[str]
+    rss_bytes: int
+
+
+def group_processes(pgid: int, proc: Path = Path("/proc")) -> list[GroupProcess]:
+    """The processes of one process group: tritonserver (its leader) and the stubs it started."""
+    found = []
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) != pgid:  # field 5 of /proc/<pid>/stat: the process group
+                continue
+            argv = (stat.parent / "cmdline").read_bytes().decode("utf-8", "replace").split("\0")
+            status = (stat.parent / "status").read_text()
+        except (OSError, IndexError, ValueError):
+            continue  # exited while we looked
+        rss_kb = next((int(ln.split()[1]) for ln in status.splitlines() if ln.startswith("VmRSS")), 0)
+        found.append(GroupProcess(int(stat.parent.name), fields[0], argv, rss_kb * 1024))
+    return found
+
+
+def python_stubs(pgid: int, proc: Path = Path("/proc")) -> dict[int, str]:
+    """pid -> model name of every live Python backend stub in the group.
+
+    A stub runs `triton_python_backend_stub <repository>/<model>/<version>/model.py ...`.
+    """
+    stubs = {}
+    for process in group_processes(pgid, proc):
+        if process.state != "Z" and len(process.argv) > 1 and Path(process.argv[0]).name == STUB_BINARY:
+            stubs[process.pid] = Path(process.argv[1]).parent.parent.name
+    return stubs
+
+
+class HealthWatch:
+    """Polled by `TritonServer.serve_forever`; `check()` says why the server can no longer serve, or None."""
+
+    def __init__(
+        self,
+        pgid: int,
+        is_ready: Callable[[], bool],
+        unready_grace_s: float = 10.0,
+        proc: Path = Path("/proc"),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.pgid = pgid
+        self.is_ready = is_ready
+        self.unready_grace_s = unready_grace_s
+        self.proc = proc
+        self.clock = clock
+        self.stubs = python_stubs(pgid, proc)  # the stubs of the loaded models: each must stay alive
+        self._unready_since: float | None = None
+
+    def check(self) -> str | None:
+        alive = python_stubs(self.pgid, self.proc)
+        for pid, model in sorted(self.stubs.items()):
+            if pid not in alive:
+                return (
+                    f"the Python backend stub of model '{model}' (pid {pid}) died while serving; tritonserver "
+                    "neither restarts nor reports a dead stub, and every request to the model would fail"
+                )
+        if self.is_ready():
+            self._unready_since = None
+            return None
+        now = self.clock()
+        if self._unready_since is None:
+            self._unready_since = now
+        elif now - self._unready_since >= self.unready_grace_s:
+            return f"tritonserver has not been ready for {now - self._unready_since:.0f}s (/v2/health/ready)"
+        return None

@@ -1,0 +1,278 @@
+"""Cancellation against a REAL tritonserver (Triton 2.51): each way a request can end early aborts it in the
+engine at once and frees its KV blocks, and the metrics endpoint proves it: the model's
+llmpipe_requests_finished_total{finish_reason="abort"} goes up by one, nv_trt_llm_kv_cache_block_metrics
+{kv_cache_block_type="used"} returns to 0, and llmpipe_generated_tokens_total stops within a step or so.
+
+- `stop` input (tensorrtllm_backend's semantics): a request carrying stop=true and the request id of an
+  in-flight request cancels that request and gets an empty final response; without a request id it is
+  refused. The abort lands before the engine's next step (no polling), so at most the step already running
+  adds a token once the stop is acknowledged.
+- server-side timeout (serving.request_timeout_s, the engine model's request_timeout_s parameter): checked
+  before every engine step; the client gets "request timed out after ...s".
+- HTTP SSE client disconnect on /v2/models/<model>/generate_stream: Triton cancels the request when the
+  connection closes; the models see it through is_cancelled(), polled every cancellation_check_period_ms.
+- gRPC stream cancel: tests/integration/test_triton.py::test_cancelled_streams_free_their_kv_blocks.
+The exact one-step mechanics are unit-tested on the engine thread (tests/unit/test_engine_core.py:
+test_cancel_takes_effect_within_one_step, test_is_cancelled_is_polled_before_every_step).
+
+NOTE: Triton 2.51 does not pass a cancellation on to the models inside an ENSEMBLE (it only stops between
+ensemble steps, and tensorrt_llm is one long step): a client that abandons an `ensemble` stream leaves
+tensorrt_llm generating until max_tokens or serving.request_timeout_s. That is why these tests cancel through
+tensorrt_llm_bls and tensorrt_llm, and why request_timeout_s must stay finite.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from pipeline.errors import ServingError
+from pipeline.serving.launcher import TritonServer
+from pipeline.serving.repository import render_model_repository
+from pipeline.serving.server_cmd import ServerOptions, find_tritonserver
+from tests.serving_helpers import build_tiny_engine, metric, scrape_metrics, tiny_config
+
+pytestmark = pytest.mark.triton
+LONG = 1000  # max_tokens far past every cancellation below (max_seq_len is 1024)
+PROMPT_IDS = [1, 57, 300]
+TIMED_MODEL = "tensorrt_llm_timeout"  # a second engine model, only its request_timeout_s differs
+TIMEOUT_S = 0.5
+# Tokens the engine may still add once a stop was acknowledged: the step running then (1), and responses
+# already sent but not yet read by the client when the acknowledgement overtook them.
+STOP_SLACK = 4
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
+    try:
+        find_tritonserver()
+    except ServingError as err:
+        pytest.skip(f"no tritonserver: {err}")
+    root = tmp_path_factory.mktemp("cancellation")
+    engine_dir = build_tiny_engine(tiny_llama_dir, root)
+    repo = root / "model_repo"
+    render_model_repository(tiny_config(tiny_llama_dir), engine_dir, repo)
+    timed = repo / TIMED_MODEL
+    shutil.copytree(repo / "tensorrt_llm", timed)
+    config = (timed / "config.pbtxt").read_text()
+    config = config.replace('name: "tensorrt_llm"', f'name: "{TIMED_MODEL}"')
+    config = config.replace(
+        'key: "request_timeout_s" value: { string_value: "600.0" }',
+        f'key: "request_timeout_s" value: {{ string_value: "{TIMEOUT_S}" }}',
+    )
+    assert f'"{TIMED_MODEL}"' in config and f'"{TIMEOUT_S}"' in config
+    (timed / "config.pbtxt").write_text(config)
+    options = ServerOptions(repo, http_port=0, grpc_port=0, metrics_port=0, exit_timeout_s=20)
+    with TritonServer(options, ready_timeout_s=240) as srv:
+        yield srv
+
+
+class EngineStream:
+    """One gRPC stream to an engine model: token ids in, every response's token ids collected."""
+
+    def __init__(self, server: TritonServer, model: str = "tensorrt_llm") -> None:
+        import tritonclient.grpc as grpcclient
+
+        self._grpc = grpcclient
+        self.model = model
+        self.client = grpcclient.InferenceServerClient(server.grpc_url)
+        self.tokens: list[int] = []
+        self.errors: list[str] = []
+        self.finished = threading.Event()
+        self.client.start_stream(callback=self._on_response)
+
+    def _on_response(self, result: Any = None, error: Any = None) -> None:
+        if error is not None:
+            self.errors.append(error.message() if hasattr(error, "message") else str(error))
+            self.finished.set()
+            return
+        ids = result.as_numpy("output_ids")
+        if ids is not None:
+            self.tokens += ids.reshape(-1).tolist()
+        final = result.get_response().parameters.get("triton_final_response")
+        if final is None or final.bool_param:
+            self.finished.set()
+
+    def send(self, request_id: str, **arrays: np.ndarray) -> None:
+        inputs = []
+        for name, array in arrays.items():
+            tensor = self._grpc.InferInput(
+                name, list(array.shape), "BOOL" if array.dtype == bool else "INT32"
+            )
+            tensor.set_data_from_numpy(array)
+            inputs.append(tensor)
+        self.client.async_stream_infer(
+            self.model, inputs, request_id=request_id, enable_empty_final_response=True
+        )
+
+    def generate(self, request_id: str, max_tokens: int = LONG) -> None:
+        self.send(
+            request_id,
+            input_ids=np.array([PROMPT_IDS], np.int32),
+            input_lengths=np.array([[len(PROMPT_IDS)]], np.int32),
+            request_output_len=np.array([[max_tokens]], np.int32),
+            streaming=np.array([[True]]),
+        )
+
+    def stop(self, request_id: str) -> None:
+        """tensorrtllm_backend's stop request: dummy prompt tensors (required inputs) and stop=true."""
+        self.send(
+            request_id,
+            input_ids=np.zeros((1, 1), np.int32),
+            input_lengths=np.ones((1, 1), np.int32),
+            request_output_len=np.ones((1, 1), np.int32),
+            stop=np.array([[True]]),
+        )
+
+    def close(self) -> None:
+        self.client.stop_stream(cancel_requests=not self.finished.is_set())
+        self.client.close()
+
+
+def _wait_for(predicate: Any, timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def _counts(server: TritonServer, model: str = "tensorrt_llm") -> tuple[float, float, float]:
+    """(aborted requests, generated tokens, KV blocks in use) of one engine model."""
+    values = scrape_metrics(server.metrics_url)
+    return (
+        metric(values, "llmpipe_requests_finished_total", model=model, finish_reason="abort"),
+        metric(values, "llmpipe_generated_tokens_total", model=model),
+        metric(values, "nv_trt_llm_kv_cache_block_metrics", model=model, kv_cache_block_type="used"),
+    )
+
+
+def _aborted_and_freed(
+    server: TritonServer, aborts_before: float, model: str = "tensorrt_llm"
+) -> tuple[float, float, float]:
+    """Wait until the model counted one more abort and holds no KV block; its (aborts, tokens, used)."""
+
+    def done() -> bool:
+        aborts, _, used = _counts(server, model)
+        return aborts >= aborts_before + 1 and used == 0
+
+    assert _wait_for(done), (_counts(server, model), server.log_lines()[-15:])
+    return _counts(server, model)
+
+
+def test_stop_input_cancels_the_in_flight_request_with_that_id(server: TritonServer) -> None:
+    aborts, tokens_before, _ = _counts(server)
+    victim, stopper = EngineStream(server), EngineStream(server)
+    request_id = f"victim-{uuid.uuid4().hex[:8]}"
+    try:
+        victim.generate(request_id)
+        assert _wait_for(lambda: len(victim.tokens) >= 2)
+        stopper.stop(request_id)
+        assert stopper.finished.wait(10) and stopper.errors == []
+        seen_at_ack = len(victim.tokens)
+        assert victim.finished.wait(10) and victim.errors == []
+    finally:
+        victim.close()
+        stopper.close()
+    assert stopper.tokens == []  # the stop request's own answer is empty
+    assert len(victim.tokens) - seen_at_ack <= STOP_SLACK, (seen_at_ack, len(victim.tokens))
+    _, tokens_after, _ = _aborted_and_freed(server, aborts)
+    # every token the engine generated reached the client: nothing ran on unseen
+    assert tokens_after - tokens_before == len(victim.tokens) < LONG
+
+
+def test_stop_without_a_request_id_is_refused_and_stops_nothing(server: TritonServer) -> None:
+    stream = EngineStream(server)
+    try:
+        stream.stop("")
+        assert stream.finished.wait(10)
+    finally:
+        stream.close()
+    assert len(stream.errors) == 1 and "input 'stop'=True: names no request" in stream.errors[0], (
+        stream.errors
+    )
+
+
+def test_server_side_timeout_aborts_the_request_and_says_so(server: TritonServer) -> None:
+    aborts, tokens_before, _ = _counts(server, TIMED_MODEL)
+    stream = EngineStream(server, TIMED_MODEL)
+    started = time.monotonic()
+    try:
+        stream.generate(f"slow-{uuid.uuid4().hex[:8]}")
+        assert stream.finished.wait(30)
+        elapsed = time.monotonic() - started
+    finally:
+        stream.close()
+    assert len(stream.errors) == 1, stream.errors
+    assert f"request timed out after {TIMEOUT_S:g}s (serving.request_timeout_s)" in stream.errors[0]
+    # the deadline is checked before every step: the request ends a step after it, not at max_tokens
+    assert TIMEOUT_S <= elapsed < TIMEOUT_S + 2.0, elapsed
+    _, tokens_after, _ = _aborted_and_freed(server, aborts, TIMED_MODEL)
+    assert len(stream.tokens) == tokens_after - tokens_before < LONG
+
+
+def _sse_events_then_disconnect(server: TritonServer, model: str, body: dict[str, Any], events: int) -> int:
+    """POST generate_stream over a raw socket, read `events` SSE events, then drop the connection as a
+    client that goes away does. Returns how many events arrived."""
+    host, port = server.http_url.rsplit(":", 1)
+    payload = json.dumps(body).encode()
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    try:
+        sock.sendall(
+            f"POST /v2/models/{model}/generate_stream HTTP/1.1\r\nHost: {host}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n".encode()
+            + payload
+        )
+        reader = sock.makefile("rb")
+        status = reader.readline()
+        assert b" 200 " in status, status
+        seen = 0
+        while seen < events:
+            line = reader.readline()
+            assert line, "the server closed the stream early"
+            seen += line.startswith(b"data:")
+        reader.close()
+        return seen
+    finally:
+        sock.shutdown(socket.SHUT_RDWR)
+        sock.close()
+
+
+@pytest.mark.parametrize(
+    ("model", "body"),
+    [
+        ("tensorrt_llm_bls", {"text_input": "Tell me a long story", "max_tokens": LONG, "stream": True}),
+        (
+            "tensorrt_llm",
+            {
+                "input_ids": PROMPT_IDS,
+                "input_lengths": len(PROMPT_IDS),
+                "request_output_len": LONG,
+                "streaming": True,
+            },
+        ),
+    ],
+)
+def test_sse_client_disconnect_aborts_the_request(server: TritonServer, model: str, body: dict) -> None:
+    aborts, tokens_before, _ = _counts(server)
+    assert _sse_events_then_disconnect(server, model, body, events=2) == 2
+    _, tokens_at_disconnect, _ = _counts(server)
+    dropped = time.monotonic()
+    _, tokens_after, _ = _aborted_and_freed(server, aborts)
+    aborted_within = time.monotonic() - dropped
+    # Seen within one cancellation check (50 ms) plus one step; the bound allows for a loaded machine.
+    assert aborted_within < 2.0, aborted_within
+    # The tiny model decodes thousands of tokens/s, so how many slip out before the abort depends on load;
+    # what must hold is that the request stopped short of its max_tokens.
+    assert tokens_after - tokens_before < LONG - 100, (tokens_before, tokens_at_disconnect, tokens_after)

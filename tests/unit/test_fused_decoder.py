@@ -1,0 +1,264 @@
+"""The fused decoder-layer kernel equals the op-by-op torch computation (dequantize + matmul, F.rms_norm,
+F.silu) for every weight format, row count and thread count, and a model step through it equals the
+op-by-op path."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pipeline.runtime.attn_metadata import SequenceChunk, build_attention_metadata
+from pipeline.runtime.engine_config import model_config_from_dict
+from pipeline.runtime.kv_cache import KVCache
+from pipeline.runtime.model.fused_decoder import FusedDecoder
+from pipeline.runtime.model.layers import DenseLinear, ResidualRMSNorm, TorchAttention, rotary_cos_sin
+from pipeline.runtime.model.llama import LayerWeights, LlamaModel, LlamaWeights
+from pipeline.runtime.quant import kernels
+from pipeline.runtime.quant.kernels import build
+from pipeline.runtime.quant.linear import QuantLinear
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.skipif(
+    not kernels.kernels_available(), reason=f"kernels unavailable: {kernels.kernels_unavailable_reason()}"
+)
+EPS = 1e-5
+# (name, scheme, group size); int4 at group 32 folds two groups per 64-weight chunk, 64 one group per chunk.
+FORMATS = [("fp32", None, None), ("int8", "int8", None), ("int4-g32", "int4", 32), ("int4-g64", "int4", 64)]
+
+
+@pytest.fixture
+def threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def make_linear(out_f: int, in_f: int, scheme: str | None, group: int | None, seed: int, bias: bool = False):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_f, in_f, generator=gen) * in_f**-0.5
+    b = torch.randn(out_f, generator=gen) if bias else None
+    if scheme is None:
+        return DenseLinear(w, b), w
+    q = QuantLinear.from_float(w, b, scheme=scheme, group_size=group)  # type: ignore[arg-type]
+    return q, q.dequantize()
+
+
+def reference(hidden, attn, deq, biases, norms, inter):
+    """Op by op in torch, HF's order of operations: returns (updated hidden, next layer's qkv)."""
+    dense, gate_up, down, qkv = deq
+    hidden = hidden + attn @ dense.T
+    x = F.rms_norm(hidden, (hidden.shape[1],), norms[0], EPS)
+    gu = x @ gate_up.T
+    hidden = hidden + (F.silu(gu[:, :inter]) * gu[:, inter:]) @ down.T
+    x = F.rms_norm(hidden, (hidden.shape[1],), norms[1], EPS)
+    return hidden, x @ qkv.T + biases
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize(("name", "scheme", "group"), FORMATS, ids=[f[0] for f in FORMATS])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16])
+@pytest.mark.parametrize(("hidden_size", "inter"), [(64, 96), (576, 1536)], ids=["tiny", "smollm2"])
+def test_layer_matches_op_by_op(
+    threads: int, name: str, scheme: str | None, group: int | None, rows: int, hidden_size: int, inter: int
+) -> None:
+    shapes = [(hidden_size, hidden_size), (2 * inter, hidden_size), (hidden_size, inter), (160, hidden_size)]
+    layers = [make_linear(o, i, scheme, group, seed, bias=seed == 3) for seed, (o, i) in enumerate(shapes)]
+    gen = torch.Generator().manual_seed(9)
+    hidden = torch.randn(rows, hidden_size, generator=gen)
+    attn = torch.randn(rows, hidden_size, generator=gen)
+    norms = [torch.rand(hidden_size, generator=gen) + 0.5 for _ in range(2)]
+    qkv_bias = layers[3][0].bias
+    assert qkv_bias is not None
+    ref_hidden, ref_qkv = reference(hidden, attn, [d for _, d in layers], qkv_bias, norms, inter)
+
+    plan = FusedDecoder.plan([FusedDecoder.layer_args([lin for lin, _ in layers], norms)], EPS)
+    out = plan.run(0, hidden, attn)  # hidden is updated in place
+    for got, want in ((hidden, ref_hidden), (out, ref_qkv)):
+        assert got.shape == want.shape
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max(), name
+
+
+def test_entry_and_exit_calls() -> None:
+    """No attn: only the next norm + q/k/v; no next q/k/v: the normed rows; no next norm: nothing."""
+    lin, w = make_linear(32, 64, None, None, 0)
+    gen = torch.Generator().manual_seed(1)
+    hidden, norm = torch.randn(3, 64, generator=gen), torch.rand(64, generator=gen) + 0.5
+    before = hidden.clone()
+    entries = [
+        FusedDecoder.layer_args([None, None, None, lin], [None, norm]),
+        FusedDecoder.layer_args([None] * 4, [None, norm]),
+        FusedDecoder.layer_args([None] * 4, [norm, None]),
+    ]
+    plan = FusedDecoder.plan(entries, EPS)
+    normed = F.rms_norm(before, (64,), norm, EPS)
+    assert torch.allclose(plan.run(0, hidden, None), normed @ w.T, atol=1e-5)
+    assert torch.allclose(plan.run(1, hidden, None), normed)
+    assert plan.run(2, hidden, None).shape == (0, 64)
+    assert torch.equal(hidden, before)
+    with pytest.raises(RuntimeError, match="takes no attn"):
+        plan.run(0, hidden, torch.randn(3, 64))
+    with pytest.raises(RuntimeError, match="no entry 3"):
+        plan.run(3, hidden, None)
+
+
+def test_rejects_layers_that_do_not_chain() -> None:
+    dense, _ = make_linear(64, 64, None, None, 0)
+    gate_up, _ = make_linear(2 * 96, 64, None, None, 1)
+    down, _ = make_linear(64, 95, None, None, 2)  # should take 96 inputs
+    norm = torch.ones(64)
+    with pytest.raises(RuntimeError, match="do not chain"):
+        FusedDecoder.plan([FusedDecoder.layer_args([dense, gate_up, down, None], [norm, None])], EPS)
+    down, _ = make_linear(64, 96, None, None, 2)
+    plan = FusedDecoder.plan([FusedDecoder.layer_args([dense, gate_up, down, None], [norm, None])], EPS)
+    with pytest.raises(RuntimeError, match="hidden"):
+        plan.run(0, torch.randn(2, 64).double(), torch.randn(2, 64))
+
+
+@pytest.mark.parametrize(("scheme", "group"), [(None, None), ("int8", None), ("int4", 32)])
+def test_model_step_equals_op_by_op_path(scheme: str | None, group: int | None) -> None:
+    """A prefill and then decode steps of 3 sequences: fused and op-by-op forwards give the same hidden states."""
+    config = model_config_from_dict(
+        {
+            "architecture": "LlamaForCausalLM", "dtype": "float32", "vocab_size": 50, "hidden_size": 64,
+            "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "intermediate_size": 96, "max_position_embeddings": 128, "norm_epsilon": EPS, "hidden_act": "silu",
+        }
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    layers = [
+        LayerWeights(
+            input_norm=torch.rand(64, generator=gen) + 0.5,
+            qkv=make_linear(128, 64, scheme, group, 10 * i)[0],
+            dense=make_linear(64, 64, scheme, group, 10 * i + 1)[0],
+            post_norm=torch.rand(64, generator=gen) + 0.5,
+            gate_up=make_linear(192, 64, scheme, group, 10 * i + 2)[0],
+            proj=make_linear(64, 96, scheme, group, 10 * i + 3)[0],
+        )
+        for i in range(3)
+    ]
+    embedding = torch.randn(50, 64, generator=gen)
+    weights = LlamaWeights(embedding, layers, torch.ones(64), DenseLinear(embedding))
+    results = []
+    for fused in (True, False):
+        cache = KVCache(config, 16, 4, torch.float32, torch.device("cpu"), zero=True)
+        attention = TorchAttention(cache, config, rotary_cos_sin(config, 128))
+        model = LlamaModel(config, weights, attention, ResidualRMSNorm(None, 64, EPS))
+        assert model.fused is not None
+        if not fused:
+            model.fused = None
+        tables = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+        steps = []
+        for start, count in ((0, 7), (7, 1), (8, 1), (9, 1)):
+            chunks = [SequenceChunk(start, count, t) for t in tables]
+            meta = build_attention_metadata(chunks, 4, torch.device("cpu"), padded=True)
+            ids = torch.randint(0, 50, (meta.num_tokens,), generator=torch.Generator().manual_seed(start))
+            steps.append(model.forward(ids, meta).clone())
+        results.append(steps)
+    for fused_step, plain_step in zip(*results, strict=True):
+        assert torch.allclose(fused_step, plain_step, atol=1e-5, rtol=1e-5)
+
+
+# Run in a fresh interpreter: the kernel library is picked and loaded once per process.
+ISA_SCRIPT = """
+import torch, torch.nn.functional as F
+from pipeline.runtime.model.fused_decoder import FusedDecoder
+from pipeline.runtime.model.greedy_head import GreedyLMHead
+from pipeline.runtime.model.layers import DenseLinear
+from pipeline.runtime.quant import kernels
+from pipeline.runtime.quant.kernels.build import kernel_isa
+print("isa", kernel_isa(), "available", kernels.kernels_available())
+if kernels.kernels_available():
+    torch.set_num_threads(2)
+    g = torch.Generator().manual_seed(0)
+    ws = [torch.randn(o, i, generator=g) * i**-0.5 for o, i in ((576, 576), (3072, 576), (576, 1536), (960, 576))]
+    norms = [torch.rand(576, generator=g) + 0.5 for _ in range(2)]
+    plan = FusedDecoder.plan([FusedDecoder.layer_args([DenseLinear(w) for w in ws], norms)], 1e-5)
+    for rows in (1, 16):
+        hidden, attn = torch.randn(rows, 576, generator=g), torch.randn(rows, 576, generator=g)
+        h = hidden + attn @ ws[0].T
+        gu = F.rms_norm(h, (576,), norms[0], 1e-5) @ ws[1].T
+        h = h + (F.silu(gu[:, :1536]) * gu[:, 1536:]) @ ws[2].T
+        want = F.rms_norm(h, (576,), norms[1], 1e-5) @ ws[3].T
+        got = plan.run(0, hidden, attn)
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max() and torch.allclose(hidden, h, atol=1e-4)
+        head = torch.randn(5000, 576, generator=g)
+        x = torch.randn(rows, 576, generator=g)
+        assert GreedyLMHead(head)(x) == kernels.gemm_f32(x, head).argmax(1).tolist()
+    print("ok")
+"""
+
+
+def run_isa_script(env: dict[str, str]) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-c", ISA_SCRIPT],
+        cwd=ROOT,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+@pytest.mark.slow  # compiles the AVX2 build of the kernels (~20-40 s) when this host has AVX-512
+def test_avx2_build_matches_the_reference_on_any_host() -> None:
+    out = run_isa_script({"LLMPIPE_KERNEL_ISA": "avx2"})
+    assert "isa avx2 available True" in out and "ok" in out
+
+
+def test_isa_follows_the_cpu_and_the_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(build, "cpu_flags", lambda: frozenset({"avx2", "fma", *build.AVX512_CPU_FLAGS}))
+    monkeypatch.delenv(build.ISA_ENV, raising=False)
+    assert build.kernel_isa() == "avx512"
+    monkeypatch.setenv(build.ISA_ENV, "avx2")
+    assert build.kernel_isa() == "avx2"
+    monkeypatch.setenv(build.ISA_ENV, "sse")
+    with pytest.raises(ValueError, match="LLMPIPE_KERNEL_ISA"):
+        build.kernel_isa()
+    monkeypatch.delenv(build.ISA_ENV)
+    monkeypatch.setattr(build, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f"}))  # no VL/BW/DQ
+    assert build.kernel_isa() == "avx2"
+    # The ISA's flags are compile arguments, so part of the cache key.
+    assert build.ISA_FLAGS["avx2"] != build.ISA_FLAGS["avx512"]
+
+
+NO_KERNELS_SCRIPT = """
+import torch
+from pipeline.runtime.engine_config import model_config_from_dict
+from pipeline.runtime.model.fused_decoder import FusedDecoder
+from pipeline.runtime.model.greedy_head import GreedyLMHead
+from pipeline.runtime.model.layers import DenseLinear
+from pipeline.runtime.model.llama import LayerWeights, LlamaWeights
+config = model_config_from_dict({
+    "architecture": "LlamaForCausalLM", "dtype": "float32", "vocab_size": 50, "hidden_size": 64,
+    "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "intermediate_size": 96, "max_position_embeddings": 128, "norm_epsilon": 1e-5, "hidden_act": "silu"})
+dense = lambda o, i: DenseLinear(torch.randn(o, i))
+layer = LayerWeights(torch.ones(64), dense(128, 64), dense(64, 64), torch.ones(64), dense(192, 64), dense(64, 96))
+embedding = torch.randn(50, 64)
+weights = LlamaWeights(embedding, [layer], torch.ones(64), DenseLinear(embedding))
+print(FusedDecoder.build(config, weights), GreedyLMHead.supports(embedding))
+"""
+
+
+def test_without_kernels_nothing_needs_them() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", NO_KERNELS_SCRIPT],
+        cwd=ROOT,
+        env={**os.environ, "LLMPIPE_DISABLE_KERNELS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["None", "False"]  # the model then runs op by op, logits + argmax

@@ -1,0 +1,38 @@
+"""The int8-screened greedy lm_head returns exactly the argmax of the fp32 logits the sampling path computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.runtime.model.greedy_head import GreedyLMHead
+from pipeline.runtime.quant import kernels
+
+pytestmark = pytest.mark.skipif(
+    not kernels.kernels_available(), reason=f"kernels unavailable: {kernels.kernels_unavailable_reason()}"
+)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [1, 3, 4])
+def test_argmax_equals_the_fp32_logits_argmax(threads: int, rows: int) -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(rows)
+        weight = torch.randn(5003, 96, generator=gen)  # a vocabulary that is not a multiple of the row block
+        weight[1:300] = weight[0] + 1e-5 * torch.randn(299, 96, generator=gen)  # near-ties with token 0
+        head = GreedyLMHead(weight)
+        for trial in range(20):
+            x = torch.randn(rows, 96, generator=gen) * (1 + trial)
+            x[0] = weight[0] * 0.5 if trial % 2 else x[0]  # a row whose best logits nearly tie
+            logits = kernels.gemm_f32(x, weight)  # the sampling path's logits
+            assert head(x) == logits.argmax(dim=1).tolist()
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_ties_go_to_the_first_token() -> None:
+    weight = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
+    weight[40] = weight[7] = weight.abs().max() * 4 * torch.ones(32)
+    assert GreedyLMHead(weight)(torch.ones(2, 32)) == [7, 7]
