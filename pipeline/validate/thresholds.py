@@ -5,11 +5,16 @@ builtin eval set at its default size (16 summaries x 48 tokens + 16 answers: ~10
 positions; 16 windows x 128 tokens: ~2000 held-out positions). Measured on SmolLM2-135M-Instruct (weights
 quantized and dequantized with runtime.quant.primitives, float32 compute, as the weight-only engines do):
 
-    build              greedy  top-1   mean KL  ppl delta  ROUGE-L drop  identical outputs
-    fp32 engine        1.000   1.000   7e-12    +2e-6 %    0.0           1.00
-    int8 per-channel   0.967   0.964   0.0038   +0.09 %    2.0           0.44
-    int4 g64           0.767   0.660   0.333    +40.6 %    8.2           0.03
-    int4 g128          0.712   0.605   0.522    +74.5 %    10.5          0.00
+    build                    greedy  top-1   mean KL  ppl delta  ROUGE-L drop  identical outputs
+    fp32 engine              1.000   1.000   7e-12    +2e-6 %    0.0           1.00
+    int8 per-channel         0.967   0.964   0.0038   +0.09 %    2.0           0.44
+    int8 activation-aware    0.980   0.968   0.0017   +0.38 %    3.3           0.59
+    int4 g64                 0.767   0.660   0.333    +40.6 %    8.2           0.03
+    int4 g128                0.712   0.605   0.522    +74.5 %    10.5          0.00
+    int4_awq g128            0.812   0.762   0.155    +14.8 %    8.7           0.13
+
+("activation-aware": per-input-channel scales and clipping ranges searched on the shipped calibration
+set, pipeline/backends/torch/awq.py; int8 with quantization.activation_aware, int4 as mode int4_awq.)
 
 Why these defaults:
 - `exact` (float32 engine, no quantization, KV in float32): the engine computes what the reference
@@ -21,14 +26,16 @@ Why these defaults:
   held-out text has more near-ties than the model's own greedy path (top-1 < greedy in every row above).
 - `int8_wo` (W8A16 per-channel): the issue's targets, >= 0.97 greedy and <= 1 % perplexity. NOTE: plain
   round-to-nearest int8 measures 0.967 greedy agreement above (standard error ~0.006 at 1000 positions):
-  an int8 build passes only if its quantizer does at least that well. Top-1 >= 0.95, KL <= 0.02 and a
-  4-point ROUGE-L drop are 2-5x the measured loss. fp8 modes share these bounds.
+  an int8 build passes only if its quantizer does better, as the activation-aware one does (0.980).
+  Top-1 >= 0.95, KL <= 0.02 and a 4-point ROUGE-L drop are 2-5x the measured loss. fp8 modes share
+  these bounds.
 - `int8_sq` (W8A8 SmoothQuant): activations are quantized too; twice the int8 weight-only allowance.
 - `int4_wo`, `int4_awq`, `w4a8_awq`, `nvfp4` (4-bit weights): <= 8 % perplexity (the issue's target for
   group 128); greedy >= 0.85, top-1 >= 0.80 and KL <= 0.10 are where the table puts a build with ~8-12 %
   perplexity loss, so no gate is much looser than the perplexity one. Plain round-to-nearest int4 g128
-  (+74.5 %) and g64 (+40.6 %) fail all of them on this 135M model: meeting the target needs activation-
-  aware scales or a smaller group (group 32 requantizes the source GGUF's Q4_1 blocks losslessly).
+  (+74.5 %) and g64 (+40.6 %) fail all of them on this 135M model; activation-aware scales (int4_awq)
+  cut the g128 loss five-fold but still fail (+14.8 %). The source GGUF is Q4_1 in blocks of 32, which a
+  group of 128 cannot follow; group 32 requantizes those blocks losslessly.
 - KV cache in int8/fp8 adds its own rounding on every attention read: each bound is widened by the
   `KV_QUANT_EXTRA` allowance (TinyLlama W8A16 + INT8 KV loses a further 0.9 ROUGE-1 in TensorRT-LLM's
   references, REFERENCE.md §4.3).

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("rows", [1, 3, 4])
+@pytest.mark.parametrize("rows", [1, 3, 4, 16])
 def test_argmax_equals_the_fp32_logits_argmax(threads: int, rows: int) -> None:
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
