@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,14 +42,7 @@ class Case:
     reference_logprobs: list[list[float]]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # Tiny models gain nothing from threads, and on a shared 2-core machine OpenMP's busy-waiting
-    # threads can slow each op down by orders of magnitude.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_engine_dir(hf_dir: Path, out: Path, tokens_per_block: int = 8) -> Path:

@@ -5,7 +5,6 @@ the engine's block manager and gives them back."""
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,12 +21,7 @@ from pipeline.validate.engine_side import EngineTarget
 LOGIT_TOLERANCE = 1e-4  # fp32 on both sides: summation-order noise only (test_parity's log-prob bound)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

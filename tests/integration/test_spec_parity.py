@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 import shutil
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,13 +39,7 @@ LIMITS: dict[str, Any] = {
 LOGPROB_TOLERANCE = 1e-4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # Tiny models gain nothing from threads; a loaded 2-core machine loses a lot to them.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def build_engine(hf_dir: Path, out: Path, tokens_per_block: int = 8, **sections: Any) -> Path:

@@ -1,7 +1,8 @@
 // Weight-only quantized GEMV/skinny-GEMM for AVX2 + FMA CPUs: y[M, N] = x[M, K] @ dequant(W[N, K]).T + bias.
 //
-// Plain C entry points on raw pointers (torch_ops.cpp wraps them as torch ops; build.py compiles both with
-// `-O3 -mavx2 -mfma -fopenmp`). The layouts are the on-disk ones documented in
+// Plain C entry points on raw pointers (torch_ops.cpp wraps them as torch ops; build.py compiles them with
+// `-O3 -mavx2 -mfma -fopenmp`, plus AVX-512 F/BW/VL/DQ where the CPU has them: the blocks in gemm_blocks.h
+// then use larger register tiles). The layouts are the on-disk ones documented in
 // pipeline/runtime/quant/primitives.py:
 //   int8: w[N, K] int8, scales[N] fp32, W = w * scales[:, None]
 //   int4: w[N, K/2] uint8, byte j of a row = q[2j] | q[2j+1] << 4; scales/zeros[N, G] fp32 with
