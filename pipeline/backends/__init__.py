@@ -1,6 +1,8 @@
 """Engine backends. Each provides the same three steps, looked up here by name so stages stay generic:
 `convert(cfg, hf_dir, out_dir) -> facts`, `quantize(cfg, ckpt_dir, out_dir) -> facts`,
-`build(cfg, ckpt_dir, out_dir) -> facts`. `out_dir` is a temporary folder the stage framework renames."""
+`build(cfg, ckpt_dir, out_dir) -> facts`. `out_dir` is a temporary folder the stage framework renames.
+Optional: `quantize_data_files(cfg) -> {name: path}`, files outside the work dir the quantize step reads
+(calibration data), whose contents key the stage's reuse."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ _STEPS: dict[str, dict[str, str]] = {
     "torch": {
         "convert": "pipeline.backends.torch.checkpoint:convert",
         "quantize": "pipeline.backends.torch.quantize:quantize",
+        "quantize_data_files": "pipeline.backends.torch.quantize:data_files",
         "build": "pipeline.backends.torch.build:build",
     },
     "trtllm": {

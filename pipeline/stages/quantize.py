@@ -35,6 +35,11 @@ def describe(cfg: BuildConfig, out: Path) -> list[str]:
     ]
 
 
+def data_files(cfg: BuildConfig) -> dict[str, Path]:
+    files = backend_step(cfg.backend, "quantize_data_files")
+    return files(cfg) if files is not None else {}
+
+
 SPEC = StageSpec(
     name="quantize",
     dirname="quantized",
@@ -43,4 +48,5 @@ SPEC = StageSpec(
     produce=produce,
     describe=describe,
     summary="Quantize the checkpoint (int8/int4 weight-only, AWQ, fp8, ... per backend).",
+    data_files=data_files,
 )

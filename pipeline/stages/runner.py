@@ -13,6 +13,7 @@ from pipeline.artifacts import (
     is_fresh,
     list_files,
     require_manifest,
+    sha256_file,
     tool_versions,
     write_atomically,
 )
@@ -34,6 +35,9 @@ class StageSpec:
     produce: Callable[[BuildConfig, dict[str, StageInput], Path], dict[str, Any]]
     describe: Callable[[BuildConfig, Path], list[str]]  # the --dry-run plan, one line per action
     summary: str
+    # Files outside the work dir that the output depends on (e.g. calibration data): their digests key
+    # reuse like an earlier stage's manifest does, so editing one redoes the stage.
+    data_files: Callable[[BuildConfig], dict[str, Path]] = lambda cfg: {}
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,9 @@ def run_stage(
     out = stage_dir(cfg, spec)
     config_hash = cfg.config_hash(*spec.config_sections)
     input_digests = {name: item.manifest.digest for name, item in inputs.items()}
+    input_digests |= {
+        f"file:{name}": sha256_file(path) for name, path in spec.data_files(cfg).items() if path.is_file()
+    }
     if not force:
         fresh = is_fresh(out, config_hash, input_digests)
         if fresh is not None:

@@ -5,6 +5,7 @@ passes bounds that plain int4 of the same model fails."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -112,3 +113,25 @@ def test_awq_build_passes_where_plain_int4_fails(outlier_llama_dir: Path, tmp_pa
     )
     assert plain_code == 1 and "mean_kl" in plain_output, plain_output
     assert plain_report["metrics"]["mean_kl"] > 2 * report["metrics"]["mean_kl"]
+
+
+def test_editing_the_calibration_file_redoes_quantize(outlier_llama_dir: Path, tmp_path: Path) -> None:
+    calib = tmp_path / "calib.txt"
+    calib.write_text("The quick brown fox jumps over the lazy dog. " * 40, encoding="utf-8")
+    config = _config(tmp_path, "int4_awq", outlier_llama_dir)
+    data = yaml.safe_load(config.read_text())
+    data["quantization"]["calibration"] = {"dataset": str(calib), "num_samples": 2, "max_seq_length": 64}
+    config.write_text(yaml.safe_dump(data))
+    runner = CliRunner()
+
+    def quantize_line() -> str:
+        result = runner.invoke(cli, ["build", str(config), "--until", "quantize"])
+        assert result.exit_code == 0, result.output
+        return next(
+            line for line in result.output.splitlines() if re.search(r"quantize: (reused|done)", line)
+        )
+
+    assert "done" in quantize_line()
+    assert "reused" in quantize_line()
+    calib.write_text("Pack my box with five dozen liquor jugs. " * 40, encoding="utf-8")
+    assert "done" in quantize_line()

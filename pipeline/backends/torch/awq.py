@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,7 +74,7 @@ def fold_block_scales(
 def scale_columns(tensors: dict[str, torch.Tensor], block: int, scales: dict[str, torch.Tensor]) -> None:
     """W[:, c] *= s[c] for each linear layer of `block` (half of a fold: the inputs still need dividing)."""
     for name, s in scales.items():
-        _update(tensors, f"transformer.layers.{block}.{name}.weight", lambda w, s=s: w * s)
+        _update(tensors, f"transformer.layers.{block}.{name}.weight", s.mul)
 
 
 def fold_into_producers(
@@ -102,7 +102,7 @@ def fold_into_producers(
     _update(tensors, p + "mlp.gate_up.weight", lambda w: torch.cat((w[:inter], w[inter:] / s[:, None])))
 
 
-def _update(tensors: dict[str, torch.Tensor], name: str, fn: Any) -> None:
+def _update(tensors: dict[str, torch.Tensor], name: str, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
     tensors[name] = fn(tensors[name].to(torch.float32)).to(tensors[name].dtype)
 
 

@@ -35,9 +35,14 @@ HF_INPUT_MODULES: dict[str, str] = {
 Record = str | list[dict[str, str]]  # plain text, or chat messages
 
 
+def calibration_path(dataset: str) -> Path:
+    """The file `dataset` names: "builtin" or a path (relative to the current directory)."""
+    return BUILTIN_CALIBRATION if dataset == "builtin" else Path(dataset).expanduser()
+
+
 def load_records(dataset: str) -> list[Record]:
     """The calibration records of `dataset` ("builtin" or a file; relative to the current directory)."""
-    path = BUILTIN_CALIBRATION if dataset == "builtin" else Path(dataset).expanduser()
+    path = calibration_path(dataset)
     if not path.is_file():
         raise ConfigError(
             f"quantization.calibration.dataset={dataset!r}: {path} is not a file",

@@ -96,6 +96,16 @@ def quantize(cfg: BuildConfig, ckpt_dir: Path, out_dir: Path, hf_dir: Path | Non
     }
 
 
+def data_files(cfg: BuildConfig) -> dict[str, Path]:
+    """The calibration file an activation-aware build reads: its contents key the stage's reuse."""
+    from pipeline.backends.torch.calibration import calibration_path
+
+    q = cfg.quantization
+    if q.mode in ACTIVATION_AWARE or q.activation_aware:
+        return {"calibration": calibration_path(q.calibration.dataset)}
+    return {}
+
+
 def _activation_aware(
     cfg: BuildConfig,
     tensors: dict[str, torch.Tensor],
