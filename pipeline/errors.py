@@ -3,6 +3,11 @@ its traceback."""
 
 from __future__ import annotations
 
+import os
+import sys
+from collections.abc import Callable
+from typing import NoReturn
+
 
 class PipelineError(Exception):
     """A problem the user can fix; `hint` says how."""
@@ -44,3 +49,15 @@ class ServingError(PipelineError):
 
 class BackendUnavailableError(PipelineError):
     """The chosen backend cannot run on this machine (e.g. TensorRT-LLM without a GPU)."""
+
+
+def run_script(main: Callable[[], int]) -> NoReturn:
+    """Exit with `main()`'s status; a PipelineError prints as the CLI prints it (one line plus the hint)
+    and exits with its code. For scripts/ that run outside the Click group."""
+    try:
+        sys.exit(main())
+    except PipelineError as err:
+        if os.environ.get("LLMPIPE_DEBUG") == "1":
+            raise
+        print(f"Error: {err.message}" + (f"\nHint: {err.hint}" if err.hint else ""), file=sys.stderr)
+        sys.exit(err.exit_code)

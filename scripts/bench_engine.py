@@ -33,7 +33,7 @@ from pipeline.bench.metrics import summarize
 from pipeline.bench.peers.hf import HFPeer
 from pipeline.bench.targets import ISSUE3_TARGETS, check
 from pipeline.bench.workloads import LengthSpec, synthetic, tokenize
-from pipeline.errors import PipelineError
+from pipeline.errors import run_script
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -195,8 +195,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except PipelineError as err:
-        print(f"Error: {err.message}" + (f"\nHint: {err.hint}" if err.hint else ""), file=sys.stderr)
-        sys.exit(1)
+    run_script(main)

@@ -34,7 +34,7 @@ from pipeline.bench.clients.inprocess import InProcessTarget
 from pipeline.bench.load import RunResult, Target, run_closed_loop
 from pipeline.bench.metrics import percentile, ttft
 from pipeline.bench.workloads import BenchRequest, LengthSpec, shipped_prompts, synthetic, tokenize
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, run_script
 
 # precision -> (build config, overrides); int4 has no config file of its own
 BUILDS: dict[str, tuple[str, list[str]]] = {
@@ -317,8 +317,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except PipelineError as err:
-        print(f"Error: {err.message}" + (f"\nHint: {err.hint}" if err.hint else ""), file=sys.stderr)
-        sys.exit(1)
+    run_script(main)

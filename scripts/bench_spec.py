@@ -34,7 +34,7 @@ from pipeline.bench.builds import ensure_built
 from pipeline.bench.report import load_1m
 from pipeline.bench.spec_workloads import code_edit_prompt, code_snippets
 from pipeline.bench.workloads import chat_ids, shipped_prompts
-from pipeline.errors import PipelineError
+from pipeline.errors import run_script
 from pipeline.runtime.engine import LLMEngine
 from pipeline.runtime.sampling_params import SamplingParams
 from pipeline.runtime.spec_decode.metrics import spec_decode_stats
@@ -236,8 +236,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except PipelineError as err:
-        print(f"error: {err}" + (f"\nhint: {err.hint}" if err.hint else ""), file=sys.stderr)
-        sys.exit(1)
+    run_script(main)

@@ -58,3 +58,16 @@ def metric(values: dict[str, float], family: str, **labels: str) -> float:
         if key.startswith(family + "{") and all(f'{k}="{v}"' in key for k, v in labels.items()):
             return value
     raise AssertionError(f"{family}{labels} not on the metrics endpoint")
+
+
+def require_tritonserver() -> None:
+    """Skip the calling test or fixture when no tritonserver binary can be found."""
+    import pytest
+
+    from pipeline.errors import ServingError
+    from pipeline.serving.server_cmd import find_tritonserver
+
+    try:
+        find_tritonserver()
+    except ServingError as err:
+        pytest.skip(f"no tritonserver: {err}")

@@ -18,15 +18,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pipeline.errors import ServingError
 from pipeline.runtime.engine import LLMEngine
 from pipeline.runtime.sampling_params import SamplingParams
 from pipeline.serving.client import GenerationOptions, GrpcClient, HttpClient
 from pipeline.serving.launcher import TritonServer
 from pipeline.serving.repository import render_model_repository
-from pipeline.serving.server_cmd import ServerOptions, find_tritonserver
+from pipeline.serving.server_cmd import ServerOptions
 from pipeline.serving.tokenization import PromptEncoder
-from tests.serving_helpers import build_tiny_engine, tiny_config
+from tests.serving_helpers import build_tiny_engine, require_tritonserver, tiny_config
 
 pytestmark = pytest.mark.triton
 
@@ -37,10 +36,7 @@ VALID_PROMPT = "The quick brown fox"
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
-    try:
-        find_tritonserver()
-    except ServingError as err:
-        pytest.skip(f"no tritonserver: {err}")
+    require_tritonserver()
     root = tmp_path_factory.mktemp("bad-requests")
     engine_dir = build_tiny_engine(tiny_llama_dir, root)
     render_model_repository(tiny_config(tiny_llama_dir), engine_dir, root / "model_repo")

@@ -13,7 +13,8 @@ from pipeline.bench.load import run_closed_loop
 from pipeline.bench.workloads import BenchRequest
 from pipeline.errors import ServingError
 from pipeline.serving.launcher import TritonServer
-from pipeline.serving.server_cmd import ServerOptions, find_tritonserver
+from pipeline.serving.server_cmd import ServerOptions
+from tests.serving_helpers import require_tritonserver
 
 pytestmark = pytest.mark.triton
 
@@ -71,10 +72,7 @@ class TritonPythonModel:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
-    try:
-        find_tritonserver()
-    except ServingError as err:
-        pytest.skip(str(err))
+    require_tritonserver()
     repo = tmp_path_factory.mktemp("bench-repo")
     (repo / "ensemble" / "1").mkdir(parents=True)
     (repo / "ensemble" / "config.pbtxt").write_text(CONFIG)

@@ -38,11 +38,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pipeline.errors import ServingError
 from pipeline.serving.launcher import TritonServer
 from pipeline.serving.repository import render_model_repository
-from pipeline.serving.server_cmd import ServerOptions, find_tritonserver
-from tests.serving_helpers import build_tiny_engine, metric, scrape_metrics, tiny_config
+from pipeline.serving.server_cmd import ServerOptions
+from tests.serving_helpers import build_tiny_engine, metric, require_tritonserver, scrape_metrics, tiny_config
 
 pytestmark = pytest.mark.triton
 LONG = 1000  # max_tokens far past every cancellation below (max_seq_len is 1024)
@@ -56,10 +55,7 @@ IDLE_WITHIN_S = 1.5
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
-    try:
-        find_tritonserver()
-    except ServingError as err:
-        pytest.skip(f"no tritonserver: {err}")
+    require_tritonserver()
     root = tmp_path_factory.mktemp("cancellation")
     engine_dir = build_tiny_engine(tiny_llama_dir, root)
     repo = root / "model_repo"

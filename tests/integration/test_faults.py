@@ -18,13 +18,12 @@ from typing import Any
 
 import pytest
 
-from pipeline.errors import IntegrityError, ServingError
+from pipeline.errors import IntegrityError
 from pipeline.runtime.async_engine import EngineThread
 from pipeline.runtime.engine import LLMEngine
 from pipeline.runtime.sampling_params import SamplingParams
 from pipeline.serving.health import python_stubs
-from pipeline.serving.server_cmd import find_tritonserver
-from tests.serving_helpers import build_tiny_engine
+from tests.serving_helpers import build_tiny_engine, require_tritonserver
 
 POISON = "poison"
 
@@ -169,10 +168,7 @@ def test_tampered_or_truncated_engine_weights_are_refused_by_checksum(
 @pytest.fixture(scope="module")
 def served_repo(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The model repository `llmpipe build` packages: its engine carries the engine stage's checksums."""
-    try:
-        find_tritonserver()
-    except ServingError as err:
-        pytest.skip(f"no tritonserver: {err}")
+    require_tritonserver()
     root = tmp_path_factory.mktemp("served")
     _run("build", str(_write_tiny_config(root, tiny_llama_dir)), "--until", "package", cwd=root)
     repo = root / "build" / "tiny-faults" / "model_repo"

@@ -20,9 +20,9 @@ from pipeline.runtime.sampling_params import SamplingParams
 from pipeline.serving.client import GenerationOptions, GrpcClient
 from pipeline.serving.launcher import TritonServer
 from pipeline.serving.repository import render_model_repository
-from pipeline.serving.server_cmd import ServerOptions, find_tritonserver
+from pipeline.serving.server_cmd import ServerOptions
 from pipeline.serving.tokenization import PromptEncoder
-from tests.serving_helpers import build_tiny_engine, metric, scrape_metrics, tiny_config
+from tests.serving_helpers import build_tiny_engine, metric, require_tritonserver, scrape_metrics, tiny_config
 
 MAX_BATCH, MAX_QUEUE = 2, 2
 CAPACITY = MAX_BATCH + MAX_QUEUE  # the engine's max_pending_requests as packaged
@@ -64,10 +64,7 @@ def test_engine_thread_rejects_past_max_pending_at_once(engine_dir: Path) -> Non
 def server(
     tiny_llama_dir: Path, engine_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[TritonServer]:
-    try:
-        find_tritonserver()
-    except ServingError as err:
-        pytest.skip(f"no tritonserver: {err}")
+    require_tritonserver()
     repo = tmp_path_factory.mktemp("overload") / "model_repo"
     cfg = tiny_config(
         tiny_llama_dir,

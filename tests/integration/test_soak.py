@@ -11,11 +11,10 @@ from types import ModuleType
 
 import pytest
 
-from pipeline.errors import ServingError
 from pipeline.serving.launcher import TritonServer
 from pipeline.serving.repository import render_model_repository
-from pipeline.serving.server_cmd import ServerOptions, find_tritonserver
-from tests.serving_helpers import build_tiny_engine, tiny_config
+from pipeline.serving.server_cmd import ServerOptions
+from tests.serving_helpers import build_tiny_engine, require_tritonserver, tiny_config
 
 pytestmark = pytest.mark.triton
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "soak.py"
@@ -33,10 +32,7 @@ def _soak_module() -> ModuleType:
 def served(
     tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[TritonServer, Path]]:
-    try:
-        find_tritonserver()
-    except ServingError as err:
-        pytest.skip(f"no tritonserver: {err}")
+    require_tritonserver()
     root = tmp_path_factory.mktemp("soak")
     engine_dir = build_tiny_engine(tiny_llama_dir, root)
     render_model_repository(tiny_config(tiny_llama_dir), engine_dir, root / "model_repo")

@@ -13,7 +13,6 @@ import shutil
 import signal
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,9 +26,16 @@ from pipeline.runtime.sampling_params import SamplingParams
 from pipeline.serving.client import GenerationOptions, GrpcClient, HttpClient
 from pipeline.serving.launcher import TritonServer
 from pipeline.serving.repository import render_model_repository
-from pipeline.serving.server_cmd import ServerOptions, find_tritonserver
+from pipeline.serving.server_cmd import ServerOptions
 from pipeline.serving.tokenization import PromptEncoder
-from tests.serving_helpers import MULTIBYTE_PROMPT, build_tiny_engine, tiny_config
+from tests.serving_helpers import (
+    MULTIBYTE_PROMPT,
+    build_tiny_engine,
+    metric,
+    require_tritonserver,
+    scrape_metrics,
+    tiny_config,
+)
 
 pytestmark = pytest.mark.triton
 PROMPTS = ("The quick brown fox", MULTIBYTE_PROMPT)
@@ -38,10 +44,7 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def engine_dir(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    try:
-        find_tritonserver()
-    except ServingError as err:
-        pytest.skip(f"no tritonserver: {err}")
+    require_tritonserver()
     return build_tiny_engine(tiny_llama_dir, tmp_path_factory.mktemp("triton-engine"))
 
 
@@ -84,23 +87,6 @@ def unary(
     tiny_llama_dir: Path, engine_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[TritonServer]:
     yield from _server(tiny_llama_dir, engine_dir, tmp_path_factory.mktemp("unary"), decoupled=False)
-
-
-def _metrics(server: TritonServer) -> dict[str, float]:
-    with urllib.request.urlopen(server.metrics_url, timeout=10) as reply:
-        text = reply.read().decode()
-    return {
-        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line and not line.startswith("#")
-    }
-
-
-def _metric(values: dict[str, float], family: str, **labels: str) -> float:
-    for key, value in values.items():
-        if key.startswith(family + "{") and all(f'{k}="{v}"' in key for k, v in labels.items()):
-            return value
-    raise AssertionError(f"{family}{labels} not on the metrics endpoint")
 
 
 # --- decoupled (streaming) deployment ---
@@ -176,7 +162,9 @@ def _engine_stream_cancelled_after_two(server: TritonServer) -> None:
 
 
 def test_cancelled_streams_free_their_kv_blocks(streaming: TritonServer) -> None:
-    before = _metric(_metrics(streaming), "llmpipe_requests_finished_total", finish_reason="abort")
+    before = metric(
+        scrape_metrics(streaming.metrics_url), "llmpipe_requests_finished_total", finish_reason="abort"
+    )
     with GrpcClient(streaming.grpc_url, "tensorrt_llm_bls") as client:
         chunks = list(
             client.stream(
@@ -187,28 +175,28 @@ def test_cancelled_streams_free_their_kv_blocks(streaming: TritonServer) -> None
     _engine_stream_cancelled_after_two(streaming)
 
     def settled() -> bool:
-        values = _metrics(streaming)
+        values = scrape_metrics(streaming.metrics_url)
         return (
-            _metric(values, "llmpipe_requests_finished_total", finish_reason="abort") >= before + 2
-            and _metric(values, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="used") == 0
+            metric(values, "llmpipe_requests_finished_total", finish_reason="abort") >= before + 2
+            and metric(values, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="used") == 0
         )
 
-    assert _wait_for(settled), _metrics(streaming)
+    assert _wait_for(settled), scrape_metrics(streaming.metrics_url)
 
 
 def test_metrics_endpoint_shows_engine_gauges_and_latencies(streaming: TritonServer) -> None:
     with GrpcClient(streaming.grpc_url) as client:
         client.generate("metrics", GenerationOptions(max_tokens=4))
-    values = _metrics(streaming)
-    total = _metric(values, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="max")
+    values = scrape_metrics(streaming.metrics_url)
+    total = metric(values, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="max")
     assert total == 16384 // 16
-    assert _metric(values, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="tokens_per") == 16
-    assert _metric(values, "nv_trt_llm_request_metrics", request_type="max") == 16
+    assert metric(values, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="tokens_per") == 16
+    assert metric(values, "nv_trt_llm_request_metrics", request_type="max") == 16
     for state in ("waiting", "scheduled", "active"):
-        assert _metric(values, "nv_trt_llm_request_metrics", request_type=state) >= 0
-    assert _metric(values, "llmpipe_time_to_first_token_seconds_count") >= 1
-    assert _metric(values, "llmpipe_inter_token_latency_seconds_bucket", le="+Inf") >= 1
-    assert _metric(values, "nv_inference_request_success", model="ensemble") >= 1
+        assert metric(values, "nv_trt_llm_request_metrics", request_type=state) >= 0
+    assert metric(values, "llmpipe_time_to_first_token_seconds_count") >= 1
+    assert metric(values, "llmpipe_inter_token_latency_seconds_bucket", le="+Inf") >= 1
+    assert metric(values, "nv_inference_request_success", model="ensemble") >= 1
 
 
 def test_bad_requests_are_client_errors_naming_the_input(streaming: TritonServer) -> None:

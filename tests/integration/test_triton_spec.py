@@ -15,15 +15,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pipeline.errors import ServingError
 from pipeline.runtime.engine import LLMEngine
 from pipeline.runtime.sampling_params import SamplingParams
 from pipeline.runtime.spec_decode.metrics import spec_decode_stats
 from pipeline.serving.launcher import TritonServer
 from pipeline.serving.repository import render_model_repository
-from pipeline.serving.server_cmd import ServerOptions, find_tritonserver
+from pipeline.serving.server_cmd import ServerOptions
 from pipeline.serving.tokenization import PromptEncoder
-from tests.serving_helpers import build_tiny_engine, metric, scrape_metrics, tiny_config
+from tests.serving_helpers import build_tiny_engine, metric, require_tritonserver, scrape_metrics, tiny_config
 
 pytestmark = pytest.mark.triton
 NGRAM = {"mode": "ngram", "max_draft_len": 4, "ngram": {"min_match": 1, "max_match": 3}}
@@ -36,10 +35,7 @@ TEXT_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def engine_dir(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    try:
-        find_tritonserver()
-    except ServingError as err:
-        pytest.skip(f"no tritonserver: {err}")
+    require_tritonserver()
     return build_tiny_engine(tiny_llama_dir, tmp_path_factory.mktemp("spec-engine"), speculative=NGRAM)
 
 

@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from pipeline.artifacts import MANIFEST_NAME, list_files, read_manifest
 from pipeline.cli import cli
 from pipeline.config import ValidationThresholds
+from tests.serving_helpers import require_tritonserver
 
 # Small enough for CI (~20 s on 2 cores): 3 summaries x 12 tokens, 3 questions, 3 held-out windows.
 FAST_VALIDATION = {"num_samples": 3, "max_new_tokens": 12}
@@ -147,14 +148,10 @@ def test_help_teaches_with_examples() -> None:
 
 def _serve_and_validate(config: Path) -> tuple[int, str, str]:
     """Package the build, serve it with tritonserver and validate through its HTTP endpoint."""
-    from pipeline.errors import ServingError
     from pipeline.serving.launcher import TritonServer
-    from pipeline.serving.server_cmd import ServerOptions, find_tritonserver
+    from pipeline.serving.server_cmd import ServerOptions
 
-    try:
-        find_tritonserver()
-    except ServingError as err:
-        pytest.skip(str(err))
+    require_tritonserver()
     code, _, err = _run(["package", str(config)])
     assert code == 0, err
     repo = Path(yaml.safe_load(config.read_text())["workdir"]) / "model_repo"

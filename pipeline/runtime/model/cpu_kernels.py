@@ -15,27 +15,16 @@ from pathlib import Path
 
 import torch
 
-from pipeline.runtime.quant.kernels.build import compile_cached
+from pipeline.runtime.quant.kernels.build import compile_cached, cpu_flags
 
 logger = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.partition(":")[2].split())
-    return set()
-
-
 def compile_flags() -> list[str]:
     flags = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=gnu11"]
-    if platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma"} <= _cpu_flags():
+    if platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma"} <= cpu_flags():
         flags += ["-mavx2", "-mfma"]
     return flags
 
