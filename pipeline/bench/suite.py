@@ -249,7 +249,7 @@ def speculative_overrides(cfg: Any, mode: str) -> dict[str, Any]:
     """LLMEngine.from_engine_dir keywords that run `mode` with the config's speculative settings,
     whatever the engine was built with."""
     from pipeline.bench.builds import stage_output
-    from pipeline.config import load_build_config
+    from pipeline.stages.runner import draft_engine_dir
 
     if mode not in SPECULATION_MODES:
         raise ConfigError(
@@ -272,7 +272,9 @@ def speculative_overrides(cfg: Any, mode: str) -> dict[str, Any]:
                 "speculative mode draft_model needs speculative.draft_config (the draft engine's build config)",
                 hint="--set speculative.draft_config=build_configs/<draft>.yaml",
             )
-        overrides["draft_engine_dir"] = stage_output(load_build_config(spec.draft_config), "engine")
+        # A finished engine stage (its manifest), not just a config.json: stage_output checks that.
+        draft, _ = draft_engine_dir(cfg, require_built=False)
+        overrides["draft_engine_dir"] = stage_output(draft, "engine")
     return overrides
 
 

@@ -163,11 +163,11 @@ def _read_jsonl(path: Path) -> list[dict[str, object]]:
 
 
 def chat_ids(tokenizer: Tokenizer, text: str) -> list[int]:
-    """`text` as one user turn of the tokenizer's chat template, ready for the assistant's answer."""
-    rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
-    )
-    return list(tokenizer.encode(rendered, add_special_tokens=False))
+    """`text` as one user turn of the tokenizer's chat template, ready for the assistant's answer: the ids
+    the serving preprocessing (serving.apply_chat_template) sends the engine."""
+    from pipeline.serving.tokenization import PromptEncoder
+
+    return PromptEncoder(tokenizer, end_ids=[], apply_chat_template=True).encode_prompt(text)
 
 
 def tokenize(
@@ -185,12 +185,15 @@ def tokenize(
                     f"request {r.index} has only text and no tokenizer is available",
                     hint="pass --tokenizer DIR (an HF tokenizer folder) or a dataset with input_ids",
                 )
-            templated = chat_template and getattr(tokenizer, "chat_template", None)
-            ids = tuple(
-                chat_ids(tokenizer, prompt or "")
-                if templated
-                else tokenizer.encode(prompt or "", add_special_tokens=False)
-            )
+            if chat_template and getattr(tokenizer, "chat_template", None):
+                from pipeline.serving.io import InvalidInputError
+
+                try:
+                    ids = tuple(chat_ids(tokenizer, prompt or ""))
+                except InvalidInputError as err:  # an empty prompt, which the server would refuse too
+                    raise ConfigError(f"request {r.index}: {err}") from None
+            else:
+                ids = tuple(tokenizer.encode(prompt or "", add_special_tokens=False))
         if prompt is None and tokenizer is not None:
             prompt = tokenizer.decode(list(ids), skip_special_tokens=False)
         out.append(replace(r, input_ids=ids, prompt=prompt))

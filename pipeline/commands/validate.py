@@ -64,8 +64,10 @@ def validate(
 
     _log_progress_to_stderr()
     results: list[tuple[dict[str, Any], str]] = []
+    loaded: list[BuildConfig] = []
     for config in configs:
         cfg = load_build_config(config, overrides)
+        loaded.append(cfg)
         where = f"endpoint {endpoint}" if endpoint else "engine"
         click.echo(
             f"validate {cfg.name}: running the eval set on the {where} and on the reference ...", err=True
@@ -78,7 +80,7 @@ def validate(
 
         chart = plot_reports(
             [r for r, _ in results],
-            resolve_workdir(load_build_config(configs[0], overrides)) / "validation.png",
+            resolve_workdir(loaded[0]) / "validation.png",
         )
         click.echo(f"chart: {chart}", err=True)
     raise_for_failures(results)

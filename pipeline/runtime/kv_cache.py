@@ -69,7 +69,7 @@ def num_kv_blocks(
 
 class KVCache:
     """`dtype` is the compute dtype; with `int8` the values are int8 and `k_scales`/`v_scales` hold the
-    scales (otherwise those lists are empty)."""
+    scales (otherwise each layer's entry is None)."""
 
     def __init__(
         self,
@@ -83,7 +83,6 @@ class KVCache:
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.int8 = int8
         layers = config.num_hidden_layers
         # NOTE: `zero` is needed by attention that reads whole blocks (padding included) and masks
         # afterwards: uninitialised memory could hold NaN, and 0 * NaN = NaN. The C kernel reads only
@@ -94,8 +93,17 @@ class KVCache:
         self.scales = allocate(shape[:-1], dtype=torch.float32, device=device) if int8 else None
         self.k = [self.storage[i, 0] for i in range(layers)]
         self.v = [self.storage[i, 1] for i in range(layers)]
-        self.k_scales = [] if self.scales is None else [self.scales[i, 0] for i in range(layers)]
-        self.v_scales = [] if self.scales is None else [self.scales[i, 1] for i in range(layers)]
+        scales = self.scales
+        self.k_scales: list[torch.Tensor | None] = [
+            None if scales is None else scales[i, 0] for i in range(layers)
+        ]
+        self.v_scales: list[torch.Tensor | None] = [
+            None if scales is None else scales[i, 1] for i in range(layers)
+        ]
+
+    @property
+    def int8(self) -> bool:
+        return self.scales is not None
 
     @property
     def num_bytes(self) -> int:

@@ -16,7 +16,7 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +39,8 @@ from pipeline.serving.preprocessing import preprocess
 from pipeline.serving.tokenization import PromptEncoder
 
 CANCEL_CHECK_PERIOD_S = 0.05
+# What an engine call asks for unless the client set return_perf_metrics: ENGINE_OUTPUTS less SPEC_OUTPUTS.
+_TEXT_OUTPUTS = tuple(name for name in ENGINE_OUTPUTS if name not in SPEC_OUTPUTS)
 # client input -> preprocessing input (tokenized here)
 _TO_PREPROCESS = {
     "text_input": "QUERY",
@@ -144,7 +146,8 @@ class TextAssembler:
             self.cum_log_probs = np.asarray(engine["cum_log_probs"], dtype=np.float32).reshape(1, 1)
         log_probs = np.asarray(engine.get("output_log_probs", np.zeros(0)), dtype=np.float32).reshape(-1)
         self.log_probs.append(log_probs)
-        self.speculative.update({k: v for k, v in engine.items() if k in SPEC_OUTPUTS})
+        if self.plan.return_perf_metrics:
+            self.speculative.update({k: v for k, v in engine.items() if k in SPEC_OUTPUTS})
         if not self.plan.streaming:
             return None
         text = self.detok.add(tokens)
@@ -262,13 +265,19 @@ class BlsModel:
             )
         return wanted
 
-    def _engine_request(self, inputs: dict[str, np.ndarray], request_id: str, model: str = "") -> Any:
+    def _engine_request(
+        self,
+        inputs: dict[str, np.ndarray],
+        request_id: str,
+        model: str = "",
+        outputs: Sequence[str] = _TEXT_OUTPUTS,
+    ) -> Any:
         tensors = [pb_utils.Tensor(name, value) for name, value in inputs.items()]
         return pb_utils.InferenceRequest(
             model_name=model or self.engine_model,
             inputs=tensors,
             request_id=request_id,
-            requested_output_names=list(ENGINE_OUTPUTS),
+            requested_output_names=list(outputs),
         )
 
     def _responses(self, request: Any) -> Iterable[Any]:
@@ -279,7 +288,11 @@ class BlsModel:
         request_id = f"bls-{uuid.uuid4().hex}"
         assembler = TextAssembler(self.encoder.tokenizer, plan, self.skip_special_tokens)
         cancelled, next_check = False, 0.0
-        for response in self._responses(self._engine_request(plan.engine_inputs, request_id)):
+        # The speculation counters only when the client asked for them (return_perf_metrics).
+        outputs = ENGINE_OUTPUTS if plan.return_perf_metrics else _TEXT_OUTPUTS
+        for response in self._responses(
+            self._engine_request(plan.engine_inputs, request_id, outputs=outputs)
+        ):
             # is_cancelled() is an IPC round trip: ask at most every CANCEL_CHECK_PERIOD_S, not per token.
             if not cancelled and time.monotonic() >= next_check:
                 next_check = time.monotonic() + CANCEL_CHECK_PERIOD_S
@@ -312,15 +325,15 @@ class BlsModel:
 
     def _generate_draft_target(self, plan: BlsPlan, num_draft_tokens: int, sender: Any) -> None:
         engine_inputs = plan.engine_inputs
-        end_id = int(np.asarray(engine_inputs["end_id"]).reshape(-1)[0]) if "end_id" in engine_inputs else -1
+        end_id = scalar(engine_inputs, "end_id")
         stop_words = engine_inputs.get("stop_words_list")
         request = draft_target.DraftTargetRequest(
             engine_inputs=engine_inputs,
             prompt_ids=plan.prompt_ids,
-            max_tokens=int(np.asarray(engine_inputs["request_output_len"]).reshape(-1)[0]),
+            max_tokens=int(scalar(engine_inputs, "request_output_len") or 0),
             min_tokens=int(scalar(engine_inputs, "min_tokens") or 0),
             num_draft_tokens=num_draft_tokens,
-            end_id=end_id if end_id >= 0 else None,
+            end_id=int(end_id) if end_id is not None and end_id >= 0 else None,
             stop_words=word_list_to_sequences(
                 "stop_words_list", None if stop_words is None else np.asarray(stop_words)[0]
             ),

@@ -25,8 +25,9 @@ class GroupProcess:
     rss_bytes: int
 
 
-def group_processes(pgid: int, proc: Path = Path("/proc")) -> list[GroupProcess]:
-    """The processes of one process group: tritonserver (its leader) and the stubs it started."""
+def group_processes(pgid: int, proc: Path = Path("/proc"), with_rss: bool = True) -> list[GroupProcess]:
+    """The processes of one process group: tritonserver (its leader) and the stubs it started. Without
+    `with_rss`, /proc/<pid>/status is not read and rss_bytes is 0 (the watchdog needs only who is alive)."""
     found = []
     for stat in proc.glob("[0-9]*/stat"):
         try:
@@ -34,7 +35,7 @@ def group_processes(pgid: int, proc: Path = Path("/proc")) -> list[GroupProcess]
             if int(fields[2]) != pgid:  # field 5 of /proc/<pid>/stat: the process group
                 continue
             argv = (stat.parent / "cmdline").read_bytes().decode("utf-8", "replace").split("\0")
-            status = (stat.parent / "status").read_text()
+            status = (stat.parent / "status").read_text() if with_rss else ""
         except (OSError, IndexError, ValueError):
             continue  # exited while we looked
         rss_kb = next((int(ln.split()[1]) for ln in status.splitlines() if ln.startswith("VmRSS")), 0)
@@ -48,7 +49,7 @@ def python_stubs(pgid: int, proc: Path = Path("/proc")) -> dict[int, str]:
     A stub runs `triton_python_backend_stub <repository>/<model>/<version>/model.py ...`.
     """
     stubs = {}
-    for process in group_processes(pgid, proc):
+    for process in group_processes(pgid, proc, with_rss=False):
         if process.state != "Z" and len(process.argv) > 1 and Path(process.argv[0]).name == STUB_BINARY:
             stubs[process.pid] = Path(process.argv[1]).parent.parent.name
     return stubs

@@ -106,16 +106,12 @@ def serves_draft_model(cfg: BuildConfig) -> bool:
     return cfg.backend == "trtllm" and cfg.speculative.mode == "draft_model"
 
 
-def draft_engine(cfg: BuildConfig) -> DraftEngine:
+def draft_engine(cfg: BuildConfig, *, require_built: bool = False) -> DraftEngine:
     """speculative.draft_config's engine (the path is read like the torch build reads it: from the
-    current directory)."""
-    from pipeline.config import load_build_config
-    from pipeline.stages import STAGES
-    from pipeline.stages.runner import stage_dir
+    current directory); with `require_built`, MissingArtifactError when it was never built."""
+    from pipeline.stages.runner import draft_engine_dir
 
-    assert cfg.speculative.draft_config is not None  # the config validator requires it for draft_model
-    draft = load_build_config(cfg.speculative.draft_config)
-    return DraftEngine(draft, stage_dir(draft, STAGES["engine"]).resolve())
+    return DraftEngine(*draft_engine_dir(cfg, require_built=require_built))
 
 
 def template_values(cfg: BuildConfig, engine_param_path: Path | None = None) -> dict[str, str]:
@@ -204,14 +200,6 @@ def _read_template(templates: Path, model: str) -> str:
     return path.read_text(encoding="utf-8")
 
 
-def _check_draft_engine_dir(cfg: BuildConfig, draft: DraftEngine) -> None:
-    if not (draft.engine_dir / "config.json").is_file():
-        raise MissingArtifactError(
-            f"speculative.draft_config={cfg.speculative.draft_config} has no engine at {draft.engine_dir}",
-            hint=f"Build the draft model first: llmpipe build {cfg.speculative.draft_config}",
-        )
-
-
 def render_configs(
     cfg: BuildConfig,
     templates: Path,
@@ -249,9 +237,7 @@ def render_model_repository(
     templates = templates or templates_dir()
     _check_engine_dir(cfg, engine_dir)
     carries_engine = cfg.backend == "torch"
-    draft = draft_engine(cfg) if serves_draft_model(cfg) else None
-    if draft is not None:
-        _check_draft_engine_dir(cfg, draft)
+    draft = draft_engine(cfg, require_built=True) if serves_draft_model(cfg) else None
     # TensorRT-LLM's C++ backend opens gpt_model_path as given: point it at the engine stage's folder.
     configs = render_configs(cfg, templates, None if carries_engine else engine_dir, draft)
     out_dir.mkdir(parents=True, exist_ok=True)

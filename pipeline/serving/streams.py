@@ -15,7 +15,6 @@ from typing import Any
 import numpy as np
 
 from pipeline.runtime.outputs import RequestOutput
-from pipeline.runtime.spec_decode.metrics import spec_decode_stats
 from pipeline.serving.detokenizer import IncrementalDetokenizer
 from pipeline.serving.io import EngineRequest, engine_outputs, speculative_outputs
 
@@ -115,8 +114,7 @@ class RequestState:
     def _speculative_outputs(self, output: RequestOutput) -> dict[str, np.ndarray]:
         if output.stats is None:
             return speculative_outputs(0, 0)
-        stats = spec_decode_stats(output.stats, output.num_output_tokens)
-        return speculative_outputs(stats.num_draft_tokens, stats.num_accepted_draft_tokens)
+        return speculative_outputs(output.stats.num_draft_tokens, output.stats.num_accepted_draft_tokens)
 
     def _stream_reply(self, output: RequestOutput) -> Reply:
         ready = len(self.token_ids)

@@ -25,7 +25,9 @@ SKIP_REASON_ENDPOINT = (
     "text and the log-probs of sampled tokens only (TensorRT-LLM exposes context logits only with "
     "gather_context_logits, which the ensemble does not pass through)"
 )
-TOKEN_METRICS = ("greedy_agreement", "top1_agreement", "mean_kl", "ppl_delta_pct")
+# The held-out text's metrics (_heldout); with greedy_agreement, every metric that needs the target's logits.
+HELDOUT_METRICS = ("top1_agreement", "mean_kl", "ppl_delta_pct")
+TOKEN_METRICS = ("greedy_agreement", *HELDOUT_METRICS)
 
 
 @runtime_checkable
@@ -212,7 +214,7 @@ def _heldout(
         stats = stats.merge(M.next_token_stats(ref_logits, eng_logits, ids[1:]))
     result.seconds["heldout"] = time.monotonic() - start
     if not stats.num_positions:
-        for name in ("top1_agreement", "mean_kl", "ppl_delta_pct"):
+        for name in HELDOUT_METRICS:
             result.skipped[name] = f"the held-out text of {evalset.origin} is shorter than 2 tokens"
         return
     result.metrics.update(
@@ -222,5 +224,5 @@ def _heldout(
         ppl_engine=stats.engine_perplexity,
         ppl_delta_pct=M.delta_pct(stats.ref_perplexity, stats.engine_perplexity),
     )
-    for name in ("top1_agreement", "mean_kl", "ppl_delta_pct"):
+    for name in HELDOUT_METRICS:
         result.counts[name] = stats.num_positions

@@ -82,7 +82,11 @@ def run(
 
 
 def _compute_dtype(cfg: BuildConfig, engine_input: StageInput | None) -> str | None:
-    """The engine's compute dtype: what its config.json records, else the build config's explicit dtype."""
+    """The engine's compute dtype: what its config.json records, else the build config's explicit dtype.
+
+    Read raw rather than with runtime.engine_config.load_engine_config: with `endpoint` the local engine
+    may be a TensorRT-LLM one (head_size rather than head_dim, possibly several ranks), which that loader
+    refuses; only the dtype is needed here."""
     if engine_input is not None and (engine_input.dir / "config.json").is_file():
         config = json.loads((engine_input.dir / "config.json").read_text(encoding="utf-8"))
         dtype = config.get("pretrained_config", {}).get("dtype")

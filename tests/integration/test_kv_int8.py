@@ -155,7 +155,7 @@ def test_stages_record_the_scheme_in_the_engine_config(
 
 
 def test_int8_weights_and_int8_kv_combine(
-    engines: dict[str, Path], tiny_llama_dir: Path, tmp_path: Path
+    engines: dict[str, Path], scored: dict[str, list[torch.Tensor]], tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
     cfg = build_config_from_dict(
         {
@@ -171,8 +171,8 @@ def test_int8_weights_and_int8_kv_combine(
     assert (quantization["quant_algo"], quantization["kv_cache_quant_algo"]) == ("W8A16", "INT8")
     runner = ModelRunner.from_engine_dir(tmp_path / "engine", device="cpu", kv_max_tokens=1024)
     assert runner.kv_cache.int8 and type(runner.model.weights.layers[0].qkv).__name__ == "QuantLinear"
-    (tokens,) = _text_windows(tiny_llama_dir, 1, 400)
-    fp32 = _score(ModelRunner.from_engine_dir(engines["fp32"], device="cpu", kv_max_tokens=1024), tokens)
+    (tokens,) = _text_windows(tiny_llama_dir, 1, 400)  # scored's first window: the same seeded draw
+    fp32 = scored["fp32"][0]
     both = _score(runner, tokens)
     kl = torch.nn.functional.kl_div(
         both.log_softmax(-1), fp32.log_softmax(-1), log_target=True, reduction="none"
@@ -207,7 +207,13 @@ def _score(runner: ModelRunner, token_ids: list[int]) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def scored(engines: dict[str, Path], tiny_llama_dir: Path) -> dict[str, list[torch.Tensor]]:
+def hf(tiny_llama_dir: Path) -> Any:
+    """The float32 Hugging Face model, loaded once (inference only: nothing changes its weights)."""
+    return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def scored(engines: dict[str, Path], tiny_llama_dir: Path, hf: Any) -> dict[str, list[torch.Tensor]]:
     """Logits of 6 windows of English text (400 tokens) from both engines (int8 on both attention paths)
     and from HF with and without quantized K/V."""
     windows = _text_windows(tiny_llama_dir, 6, 400)
@@ -219,7 +225,6 @@ def scored(engines: dict[str, Path], tiny_llama_dir: Path) -> dict[str, list[tor
         ),
     }
     assert runners["int8"].kv_cache.int8 and runners["int8_torch"].kv_cache.int8
-    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     result: dict[str, list[torch.Tensor]] = {name: [] for name in (*runners, "hf_int8")}
     with torch.inference_mode():
         for window in windows:
@@ -257,12 +262,9 @@ def test_int8_kv_stays_close_to_fp32_kv(scored: dict[str, list[torch.Tensor]]) -
     assert not torch.equal(fp32, int8)
 
 
-def test_int8_engine_generates_what_hf_generates_with_int8_kv(
-    engines: dict[str, Path], tiny_llama_dir: Path
-) -> None:
+def test_int8_engine_generates_what_hf_generates_with_int8_kv(engines: dict[str, Path], hf: Any) -> None:
     """16 concurrent requests with chunked prompts (max_num_tokens 96) and decode: each token's K/V are
     quantized on their own, so batching and chunking do not change what a request sees."""
-    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     rng = random.Random(3)
     prompts = [
         [rng.randrange(10, hf.config.vocab_size) for _ in range(rng.randrange(2, 300))] for _ in range(16)

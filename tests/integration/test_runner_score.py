@@ -11,12 +11,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from pipeline.backends.torch.build import build
-from pipeline.backends.torch.checkpoint import convert
-from pipeline.config import build_config_from_dict
 from pipeline.runtime.engine import LLMEngine
 from pipeline.runtime.model_runner import ModelRunner
 from pipeline.validate.engine_side import EngineTarget
+from tests.serving_helpers import build_tiny_engine
 
 LOGIT_TOLERANCE = 1e-4  # fp32 on both sides: summation-order noise only (test_parity's log-prob bound)
 
@@ -27,19 +25,13 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture(scope="module")
 def engine_dir(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Llama with a 64-token step budget: a 300-token sequence scores in 5 chunks."""
-    out = tmp_path_factory.mktemp("score")
-    cfg = build_config_from_dict(
-        {
-            "name": "score",
-            "source": {"kind": "local", "path": str(tiny_llama_dir)},
-            "engine": {"max_batch_size": 4, "max_input_len": 512, "max_seq_len": 1024, "max_num_tokens": 64},
-            "kv_cache": {"tokens_per_block": 8, "max_tokens": 2048},
-            "scheduler": {"enable_chunked_context": True},
-        }
+    return build_tiny_engine(
+        tiny_llama_dir,
+        tmp_path_factory.mktemp("score"),
+        engine={"max_batch_size": 4, "max_input_len": 512, "max_seq_len": 1024, "max_num_tokens": 64},
+        kv_cache={"tokens_per_block": 8, "max_tokens": 2048},
+        scheduler={"enable_chunked_context": True},
     )
-    convert(cfg, tiny_llama_dir, out / "checkpoint")
-    build(cfg, out / "checkpoint", out / "engine")
-    return out / "engine"
 
 
 @pytest.fixture(scope="module")

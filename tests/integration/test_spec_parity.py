@@ -18,9 +18,6 @@ import yaml
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from pipeline.backends.torch.build import build
-from pipeline.backends.torch.checkpoint import convert
-from pipeline.config import build_config_from_dict
 from pipeline.errors import MissingArtifactError
 from pipeline.runtime.engine import LLMEngine
 from pipeline.runtime.model_runner import ModelRunner
@@ -29,6 +26,7 @@ from pipeline.runtime.sampling_params import SamplingParams
 from pipeline.runtime.scheduler import SchedulerConfig
 from pipeline.runtime.spec_decode.draft_model import DraftModelProposer
 from pipeline.runtime.spec_decode.proposer import NgramProposer, Proposer
+from tests.serving_helpers import build_tiny_engine
 
 LIMITS: dict[str, Any] = {
     "max_batch_size": 16,
@@ -43,18 +41,16 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def build_engine(hf_dir: Path, out: Path, tokens_per_block: int = 8, **sections: Any) -> Path:
-    cfg = build_config_from_dict(
-        {
-            "name": out.name,
-            "source": {"kind": "local", "path": str(hf_dir)},
-            "engine": LIMITS,
-            "kv_cache": {"tokens_per_block": tokens_per_block},
-            **sections,
-        }
+    """convert + build into `out/engine`, in the checkpoint's own dtype, with a KV capacity sized at run
+    time (kv_max_tokens) rather than tiny_config's."""
+    return build_tiny_engine(
+        hf_dir,
+        out,
+        dtype="auto",
+        engine=LIMITS,
+        kv_cache={"tokens_per_block": tokens_per_block, "max_tokens": None},
+        **sections,
     )
-    convert(cfg, hf_dir, out / "checkpoint")
-    build(cfg, out / "checkpoint", out / "engine")
-    return out / "engine"
 
 
 def perturbed_copy(hf_dir: Path, out: Path, noise: float) -> Path:

@@ -4,6 +4,7 @@ keeps the model's function, and calibration reads the shipped set and the model'
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pipeline.backends.torch.awq import Shape, fold_block_scales
+from pipeline.backends.torch.awq import Shape, apply_activation_aware_scales, fold_into_producers
 from pipeline.backends.torch.calibration import (
     BUILTIN_CALIBRATION,
     HF_INPUT_MODULES,
@@ -27,7 +28,14 @@ from pipeline.backends.torch.checkpoint import (
 )
 from pipeline.config import CalibrationConfig, load_build_config
 from pipeline.errors import ConfigError
-from pipeline.runtime.quant.awq import InputStats, WeightFormat, output_error, search_clip, search_scales
+from pipeline.runtime.quant.awq import (
+    InputStats,
+    ScaleSearch,
+    WeightFormat,
+    output_error,
+    search_clip,
+    search_scales,
+)
 from pipeline.validate.data import BUILTIN_DIR
 
 INT4_G64 = WeightFormat("int4", 64)
@@ -123,6 +131,17 @@ def to_runtime(model: torch.nn.Module, checkpoint: Path) -> tuple[dict[str, torc
     return runtime_weights(state, pretrained), pretrained
 
 
+def fold_block_scales(
+    tensors: dict[str, torch.Tensor], block: int, scales: dict[str, torch.Tensor], shape: Shape
+) -> None:
+    """Multiply each linear layer's input columns by `scales[name]` (W[:, c] *= s[c]) and divide what feeds
+    them by the same, in place: the block computes the same function (up to float rounding)."""
+    for name, s in scales.items():
+        key = f"transformer.layers.{block}.{name}.weight"
+        tensors[key] = (tensors[key].to(torch.float32) * s).to(tensors[key].dtype)
+    fold_into_producers(tensors, block, scales, shape)
+
+
 def load_runtime(model: torch.nn.Module, tensors: dict[str, torch.Tensor], pretrained: dict) -> None:
     """The inverse of convert's layout for the block tensors: split the fused ones back into HF's."""
     state = model.state_dict()
@@ -166,6 +185,47 @@ def test_folded_scales_keep_the_logits(arch: str, request: pytest.FixtureRequest
     assert not torch.allclose(
         tensors["transformer.layers.0.attention.qkv.weight"],
         reference["transformer.layers.0.attention.qkv.weight"],
+    )
+    load_runtime(model, tensors, pretrained)
+    with torch.no_grad():
+        after = model(input_ids=ids).logits
+    assert (after - before).abs().max() <= 1e-5 * before.abs().max()
+
+
+def test_activation_aware_scaling_without_clipping_keeps_the_logits(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """apply_activation_aware_scales' own scale-and-fold path, with the searches replaced: random scales
+    (tied the way the search is told to tie them) and no clipping, the one step that changes the function."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([[1, 17, 400, 33, 1200, 5, 9, 77, 801, 3]])
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    tensors, pretrained = to_runtime(model, tiny_llama_dir)
+    gen = torch.Generator().manual_seed(11)
+
+    def random_scales(
+        weight: torch.Tensor,
+        stats: InputStats,
+        fmt: WeightFormat,
+        *,
+        tie: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> ScaleSearch:
+        scales = torch.exp(torch.randn(weight.shape[1], generator=gen))
+        return ScaleSearch(scales if tie is None else tie(scales), 0.5, 1.0, 1.0)
+
+    monkeypatch.setattr("pipeline.backends.torch.awq.search_scales", random_scales)
+    monkeypatch.setattr("pipeline.backends.torch.awq.search_clip", lambda weight, moment, fmt: weight)
+    stats: dict[str, InputStats] = {}
+    for name, module in HF_INPUT_MODULES.items():
+        in_features = model.model.layers[0].get_submodule(module).in_features
+        stats[name] = stats_of(torch.randn(64, in_features, generator=gen))
+    block_stats = ((block, stats) for block in range(pretrained["num_hidden_layers"]))
+    facts = apply_activation_aware_scales(tensors, pretrained, block_stats, INT4_G64, progress=False)
+    assert facts["alpha"]["attention.qkv"] == [0.5] * pretrained["num_hidden_layers"]
+    reference = to_runtime(model, tiny_llama_dir)[0]
+    assert not torch.allclose(
+        tensors["transformer.layers.0.mlp.proj.weight"], reference["transformer.layers.0.mlp.proj.weight"]
     )
     load_runtime(model, tensors, pretrained)
     with torch.no_grad():
@@ -273,6 +333,7 @@ def test_torch_backend_accepts_int4_awq() -> None:
     ],
 )
 def test_activation_aware_is_an_int8_torch_option(tmp_path: Path, overrides: dict, message: str) -> None:
+    overrides = dict(overrides)  # the parametrize dict is shared: pop from a copy
     backend = overrides.pop("backend", "torch")
     config = tmp_path / "c.yaml"
     config.write_text(

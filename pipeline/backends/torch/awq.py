@@ -25,9 +25,8 @@ from typing import Any
 
 import torch
 
+from pipeline.backends.torch.quantize import LAYER_LINEARS
 from pipeline.runtime.quant.awq import InputStats, WeightFormat, output_error, search_clip, search_scales
-
-LINEARS = ("attention.qkv", "attention.dense", "mlp.gate_up", "mlp.proj")
 
 
 @dataclass(frozen=True)
@@ -62,25 +61,11 @@ class Shape:
         return grouped.mean(1, keepdim=True).expand_as(grouped).reshape(-1)
 
 
-def fold_block_scales(
-    tensors: dict[str, torch.Tensor], block: int, scales: dict[str, torch.Tensor], shape: Shape
-) -> None:
-    """Multiply each linear layer's input columns by `scales[name]` and divide what feeds them by the same,
-    in place: the block computes the same function (up to float rounding)."""
-    scale_columns(tensors, block, scales)
-    fold_into_producers(tensors, block, scales, shape)
-
-
-def scale_columns(tensors: dict[str, torch.Tensor], block: int, scales: dict[str, torch.Tensor]) -> None:
-    """W[:, c] *= s[c] for each linear layer of `block` (half of a fold: the inputs still need dividing)."""
-    for name, s in scales.items():
-        _update(tensors, f"transformer.layers.{block}.{name}.weight", s.mul)
-
-
 def fold_into_producers(
     tensors: dict[str, torch.Tensor], block: int, scales: dict[str, torch.Tensor], shape: Shape
 ) -> None:
-    """Divide whatever produces each linear layer's input by its scales (the other half of a fold)."""
+    """Divide whatever produces each linear layer's input by its scales, in place: the other half of a fold
+    whose first half multiplied the layer's weight columns by them."""
     p = f"transformer.layers.{block}."
     s = scales["attention.qkv"]
     _update(tensors, p + "input_layernorm.weight", lambda w: w / s)
@@ -120,8 +105,8 @@ def apply_activation_aware_scales(
     from tqdm import tqdm
 
     shape = Shape.of(pretrained)
-    alphas: dict[str, list[float]] = {name: [] for name in LINEARS}
-    log_ratios: dict[str, list[float]] = {name: [] for name in LINEARS}
+    alphas: dict[str, list[float]] = {name: [] for name in LAYER_LINEARS}
+    log_ratios: dict[str, list[float]] = {name: [] for name in LAYER_LINEARS}
     bar = tqdm(
         block_stats,
         total=pretrained["num_hidden_layers"],
@@ -133,7 +118,7 @@ def apply_activation_aware_scales(
     for block, stats in bar:
         p = f"transformer.layers.{block}."
         scales = {}
-        for name in LINEARS:
+        for name in LAYER_LINEARS:
             key = f"{p}{name}.weight"
             original = tensors[key].to(torch.float32)
             found = search_scales(
@@ -148,7 +133,8 @@ def apply_activation_aware_scales(
             log_ratios[name].append(math.log(max(error, 1e-30) / max(found.plain_error, 1e-30)))
         fold_into_producers(tensors, block, scales, shape)
         bar.set_postfix_str(
-            "error vs RTN " + " ".join(f"{math.exp(log_ratios[n][-1]):.2f}" for n in LINEARS), refresh=False
+            "error vs RTN " + " ".join(f"{math.exp(log_ratios[n][-1]):.2f}" for n in LAYER_LINEARS),
+            refresh=False,
         )
     bar.close()
     return {

@@ -12,19 +12,17 @@ from pathlib import Path
 from typing import Any
 
 import pipeline
-from pipeline.config import BuildConfig, load_build_config, resolve_workdir
+from pipeline.config import BuildConfig
 from pipeline.errors import ConfigError, MissingArtifactError
 from pipeline.runtime.engine_config import (
     TOKENIZER_DIR,
     WEIGHTS_FILE,
-    BuildLimits,
     EngineConfig,
-    PluginConfig,
     RuntimeDefaults,
-    SpeculativeConfig,
     engine_config_from_dict,
     write_engine_config,
 )
+from pipeline.stages.runner import draft_engine_dir
 
 # speculative.mode -> TensorRT-LLM's SpeculativeDecodingMode name.
 SPECULATIVE_MODES: dict[str, str | None] = {
@@ -42,26 +40,22 @@ def build(cfg: BuildConfig, ckpt_dir: Path, out_dir: Path) -> dict[str, Any]:
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
     pretrained = _read_checkpoint_config(ckpt_dir)
     _check_matches_config(cfg, pretrained, ckpt_dir)
-    # Validates the checkpoint's fields with the same rules the runtime applies at load.
-    model = engine_config_from_dict(
+    # Validates the checkpoint's fields with the same rules the runtime applies at load, and reads the
+    # build limits (with their plugin and speculative configs) into their dataclasses.
+    parsed = engine_config_from_dict(
         {
             "version": pipeline.__version__,
             "pretrained_config": pretrained,
             "build_config": _build_limits(cfg),
         },
         origin=str(ckpt_dir / "config.json"),
-    ).model
+    )
+    model = parsed.model
     engine = EngineConfig(
         version=pipeline.__version__,
         backend="torch",
         model=model,
-        build=BuildLimits(
-            **{
-                **_build_limits(cfg),
-                "plugin_config": PluginConfig(**_plugin_config(cfg)),
-                "speculative_config": SpeculativeConfig(**_speculative_config(cfg)),
-            }
-        ),
+        build=parsed.build,
         runtime=RuntimeDefaults(
             kv_max_tokens=cfg.kv_cache.max_tokens,
             kv_free_memory_fraction=cfg.kv_cache.free_memory_fraction,
@@ -144,20 +138,8 @@ def _speculative_config(cfg: BuildConfig) -> dict[str, Any]:
         "ngram_min_match": spec.ngram.min_match,
         "ngram_max_match": spec.ngram.max_match,
         "adaptive": spec.adaptive,
-        "draft_engine_dir": _draft_engine_dir(spec.draft_config) if spec.mode == "draft_model" else None,
+        "draft_engine_dir": str(draft_engine_dir(cfg)[1]) if spec.mode == "draft_model" else None,
     }
-
-
-def _draft_engine_dir(draft_config: str | None) -> str:
-    """The engine directory the draft model's build config produces; it must be built first."""
-    assert draft_config is not None  # the config validator requires it for mode=draft_model
-    engine_dir = (resolve_workdir(load_build_config(draft_config)) / "engine").resolve()
-    if not (engine_dir / "config.json").is_file():
-        raise MissingArtifactError(
-            f"speculative.draft_config={draft_config} has no engine at {engine_dir}",
-            hint=f"build the draft model first: llmpipe build {draft_config}",
-        )
-    return str(engine_dir)
 
 
 def _plugin_config(cfg: BuildConfig) -> dict[str, Any]:

@@ -13,20 +13,18 @@ from typing import Any
 
 from pipeline.artifacts import link_tree
 from pipeline.config import BuildConfig
-from pipeline.errors import MissingArtifactError
 
 
-def quantize_kv_only(cfg: BuildConfig, ckpt_dir: Path, out_dir: Path) -> dict[str, Any]:
+def quantize_kv_only(
+    cfg: BuildConfig, pretrained: dict[str, Any], ckpt_dir: Path, out_dir: Path
+) -> dict[str, Any]:
+    """`pretrained`: the config.json of `ckpt_dir`, as quantize() read it."""
     started = time.perf_counter()
-    ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
-    config_path = ckpt_dir / "config.json"
-    if not config_path.is_file():
-        raise MissingArtifactError(f"{config_path} not found: the convert stage has not run")
-    pretrained = json.loads(config_path.read_text(encoding="utf-8"))
-    pretrained["quantization"] = {
+    quantization = {
         **(pretrained.get("quantization") or {}),
         "kv_cache_quant_algo": cfg.quantization.kv_cache_quant_algo,
     }
+    pretrained = {**pretrained, "quantization": quantization}
     link_tree(ckpt_dir, out_dir)
     # The link shares the convert stage's inode: replace it rather than write through it.
     (out_dir / "config.json").unlink()

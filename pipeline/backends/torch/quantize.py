@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pipeline.backends.torch.kv_quantize import quantize_kv_only
-from pipeline.config import BuildConfig
+from pipeline.config import BuildConfig, QuantizationConfig
 from pipeline.errors import ConfigError, MissingArtifactError
 from pipeline.runtime.engine_config import TOKENIZER_DIR, WEIGHTS_FILE
 from pipeline.runtime.quant.linear import QuantLinear, Scheme
@@ -36,9 +36,7 @@ def quantize(cfg: BuildConfig, ckpt_dir: Path, out_dir: Path, hf_dir: Path | Non
     the calibration set by the activation-aware modes; round-to-nearest needs no data."""
     started = time.perf_counter()
     q = cfg.quantization
-    if q.mode == "none":  # only the KV cache is quantized, at run time
-        return quantize_kv_only(cfg, ckpt_dir, out_dir)
-    if q.mode not in SCHEMES:
+    if q.mode != "none" and q.mode not in SCHEMES:
         raise ConfigError(
             f"quantization.mode={q.mode} is not implemented by the torch backend's quantizer; "
             f"choose one of {', '.join(SCHEMES)}"
@@ -47,7 +45,9 @@ def quantize(cfg: BuildConfig, ckpt_dir: Path, out_dir: Path, hf_dir: Path | Non
     config_path = ckpt_dir / "config.json"
     if not config_path.is_file():
         raise MissingArtifactError(f"{config_path} not found: the convert stage has not run")
-    pretrained = json.loads(config_path.read_text())
+    pretrained = json.loads(config_path.read_text(encoding="utf-8"))
+    if q.mode == "none":  # only the KV cache is quantized, at run time
+        return quantize_kv_only(cfg, pretrained, ckpt_dir, out_dir)
     scheme = SCHEMES[q.mode]
     group_size = q.group_size if scheme == "int4" else None
 
@@ -61,7 +61,7 @@ def quantize(cfg: BuildConfig, ckpt_dir: Path, out_dir: Path, hf_dir: Path | Non
         prefixes.append("lm_head")
     dense_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     awq_facts = None
-    if q.mode in ACTIVATION_AWARE or q.activation_aware:
+    if _is_activation_aware(q):
         awq_facts = _activation_aware(cfg, tensors, pretrained, hf_dir, group_size)
     for prefix in prefixes:
         weight = tensors.pop(f"{prefix}.weight")
@@ -101,9 +101,14 @@ def data_files(cfg: BuildConfig) -> dict[str, Path]:
     from pipeline.backends.torch.calibration import calibration_path
 
     q = cfg.quantization
-    if q.mode in ACTIVATION_AWARE or q.activation_aware:
+    if _is_activation_aware(q):
         return {"calibration": calibration_path(q.calibration.dataset)}
     return {}
+
+
+def _is_activation_aware(q: QuantizationConfig) -> bool:
+    """Whether `q` searches its scales on calibration data first (its mode always does, or int8_wo asks)."""
+    return q.mode in ACTIVATION_AWARE or q.activation_aware
 
 
 def _activation_aware(

@@ -47,7 +47,6 @@ class InProcessTarget:
 
     def stream(self, request: BenchRequest) -> Iterator[int | DraftCounts]:
         from pipeline.runtime.sampling_params import SamplingParams
-        from pipeline.runtime.spec_decode.metrics import spec_decode_stats
 
         if request.input_ids is None:
             raise ValueError(f"request {request.index} has no input_ids (tokenize the workload first)")
@@ -65,8 +64,7 @@ class InProcessTarget:
                 )
             yield len(output.new_token_ids)
             if self.speculates and output.stats is not None:
-                stats = spec_decode_stats(output.stats, output.num_output_tokens)
-                yield DraftCounts(stats.num_draft_tokens, stats.num_accepted_draft_tokens)
+                yield DraftCounts(output.stats.num_draft_tokens, output.stats.num_accepted_draft_tokens)
 
     def close(self) -> None:
         self.engine_thread.shutdown()

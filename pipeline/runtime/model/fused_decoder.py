@@ -16,7 +16,7 @@ from pipeline.runtime.attn_metadata import AttentionMetadata
 from pipeline.runtime.engine_config import ModelConfig
 from pipeline.runtime.model.layers import Attention, DenseLinear, Linear
 from pipeline.runtime.quant import kernels
-from pipeline.runtime.quant.linear import MAX_KERNEL_ROWS, QuantLinear
+from pipeline.runtime.quant.linear import MAX_KERNEL_ROWS, QuantLinear, fp32_kernel_weight
 
 if TYPE_CHECKING:
     from pipeline.runtime.model.llama import LlamaWeights
@@ -27,10 +27,8 @@ KernelArgs = tuple[list[torch.Tensor | None], list[torch.Tensor | None], list[in
 
 def _runs_on_kernel(linear: Linear) -> bool:
     if isinstance(linear, DenseLinear):
-        w, b = linear.weight, linear.bias
-        return (
-            w.is_cpu and w.dtype == torch.float32 and w.is_contiguous() and (b is None or b.dtype == w.dtype)
-        )
+        b = linear.bias
+        return fp32_kernel_weight(linear.weight) and (b is None or b.dtype == linear.weight.dtype)
     return isinstance(linear, QuantLinear) and linear.qweight.is_cpu
 
 

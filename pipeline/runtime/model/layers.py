@@ -115,6 +115,13 @@ class KernelAttention:
         self.config = config
         self.cos_sin = cos_sin  # [max_positions, D]
         self._step_args: tuple[Any, ...] = ()
+        # Per layer: the K, V, K-scale and V-scale addresses (scales None unless int8); the cache never moves.
+        self._layer_ptrs = [
+            (k.data_ptr(), v.data_ptr(), _ptr(k_scale), _ptr(v_scale))
+            for k, v, k_scale, v_scale in zip(
+                kv_cache.k, kv_cache.v, kv_cache.k_scales, kv_cache.v_scales, strict=True
+            )
+        ]
 
     @staticmethod
     def supports(config: ModelConfig) -> bool:
@@ -141,18 +148,12 @@ class KernelAttention:
 
     def __call__(self, layer: int, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         out = torch.empty(meta.num_tokens, self.config.num_attention_heads * self.config.head_dim)
-        cache = self.kv_cache
-        self.kernel(
-            qkv.data_ptr(),
-            qkv.stride(0),
-            cache.k[layer].data_ptr(),
-            cache.v[layer].data_ptr(),
-            cache.k_scales[layer].data_ptr() if cache.int8 else None,
-            cache.v_scales[layer].data_ptr() if cache.int8 else None,
-            out.data_ptr(),
-            self._step_args,
-        )
+        self.kernel(qkv.data_ptr(), qkv.stride(0), *self._layer_ptrs[layer], out.data_ptr(), self._step_args)
         return out
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 class TorchAttention:
@@ -178,10 +179,12 @@ class TorchAttention:
         k = apply_rope(qkv[:, heads * d : (heads + kv_heads) * d].view(tokens, kv_heads, d), cos, sin)
         v = qkv[:, (heads + kv_heads) * d :].view(tokens, kv_heads, d)
         cache = self.kv_cache
-        k_scales = cache.k_scales[layer] if cache.int8 else None
-        v_scales = cache.v_scales[layer] if cache.int8 else None
-        keys = self._write_and_gather(cache.k[layer], k_scales, k, meta.slot_mapping, padded.block_tables)
-        values = self._write_and_gather(cache.v[layer], v_scales, v, meta.slot_mapping, padded.block_tables)
+        keys = self._write_and_gather(
+            cache.k[layer], cache.k_scales[layer], k, meta.slot_mapping, padded.block_tables
+        )
+        values = self._write_and_gather(
+            cache.v[layer], cache.v_scales[layer], v, meta.slot_mapping, padded.block_tables
+        )
         num_seqs = padded.block_tables.shape[0]
         queries = q.new_zeros(num_seqs, padded.max_query_len, heads, d)
         queries[padded.token_seq, padded.token_row] = q

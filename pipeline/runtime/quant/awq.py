@@ -120,7 +120,7 @@ def search_scales(
         if best is None or error < best.error:
             best = ScaleSearch(scales, alpha, error, plain_error)
     assert best is not None
-    return ScaleSearch(best.scales, best.alpha, best.error, plain_error)
+    return best
 
 
 def search_clip(

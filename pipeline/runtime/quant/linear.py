@@ -8,7 +8,7 @@ rounding.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +16,14 @@ import torch.nn.functional as F
 from pipeline.runtime.quant import kernels, primitives
 from pipeline.runtime.quant.kernels import kernels_available, kernels_unavailable_reason
 
-__all__ = ["QuantLinear", "Scheme", "fp32_linear", "kernels_available", "kernels_unavailable_reason"]
+__all__ = [
+    "QuantLinear",
+    "Scheme",
+    "fp32_kernel_weight",
+    "fp32_linear",
+    "kernels_available",
+    "kernels_unavailable_reason",
+]
 
 Scheme = Literal["int8", "int4"]
 SCHEMES: tuple[Scheme, ...] = ("int8", "int4")
@@ -110,18 +117,12 @@ class QuantLinear(torch.nn.Module):
         # x: [..., in] -> [..., out]
         if x.dim() != 2:
             return self.forward(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
-        # NOTE: decode calls this ~120 times per step; reading buffers through nn.Module.__getattr__ costs
-        # ~1.4 us each, the _buffers dict ~0.06 us.
-        buffers: dict[str, Any] = self._buffers
         if x.shape[0] <= self.max_kernel_rows and _kernel_ok(x):
             if self.scheme == "int8":
-                return kernels.gemm_int8(x, buffers["qweight"], buffers["scales"], buffers["bias"])
-            group_size = self.group_size
-            assert group_size is not None
-            return kernels.gemm_int4(
-                x, buffers["qweight"], buffers["scales"], buffers["zeros"], group_size, buffers["bias"]
-            )
-        bias = buffers["bias"]
+                return kernels.gemm_int8(x, self.qweight, self.scales, self.bias)
+            assert self.zeros is not None and self.group_size is not None
+            return kernels.gemm_int4(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias)
+        bias = self.bias
         return F.linear(x, self.dequantize().to(x.dtype), None if bias is None else bias.to(x.dtype))
 
     def extra_repr(self) -> str:
@@ -138,14 +139,17 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         x.dim() == 2
         and x.shape[0] <= MAX_KERNEL_ROWS["fp32"]
         and _kernel_ok(x)
-        and weight.dtype == torch.float32
-        and weight.is_cpu
-        and weight.is_contiguous()
+        and fp32_kernel_weight(weight)
     ):
         return kernels.gemm_f32(x, weight, bias)
     if x.dim() > 2:  # the row count decides the path: flatten leading dims
         return fp32_linear(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
+
+
+def fp32_kernel_weight(weight: torch.Tensor) -> bool:
+    """Whether the fp32 GEMV can read `weight` [out, in] as it is: fp32, on the CPU, contiguous."""
+    return weight.dtype == torch.float32 and weight.is_cpu and weight.is_contiguous()
 
 
 def _kernel_ok(x: torch.Tensor) -> bool:

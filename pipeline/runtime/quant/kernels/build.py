@@ -8,6 +8,7 @@ renames the result into place; the losers of the race overwrite it with an ident
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -78,6 +79,7 @@ def load_library() -> str:
     return ""
 
 
+@functools.cache
 def cpu_flags() -> frozenset[str]:
     """The feature flags /proc/cpuinfo lists for this CPU (empty where it cannot be read)."""
     try:

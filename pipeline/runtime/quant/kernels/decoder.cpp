@@ -92,14 +92,7 @@ template <typename Fmt>
 void team_rows(const Fmt& f, const Problem& p) {
   const int64_t num_blocks = (p.N + kRows - 1) / kRows;
 #pragma omp for schedule(dynamic, chunk_for(num_blocks, omp_get_num_threads()))
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    const int64_t n0 = b * kRows;
-    if (n0 + kRows <= p.N) {
-      rows<kRows>(f, p, n0);
-    } else {
-      for (int64_t n = n0; n < p.N; ++n) rows<1>(f, p, n);
-    }
-  }
+  for (int64_t b = 0; b < num_blocks; ++b) row_block<kRows>(f, p, b);
 }
 
 // gate_up then silu * up, one work unit = kUnit MLP columns (their gate and up rows), so the thread that
@@ -123,7 +116,7 @@ void team_gate_up(const Fmt& f, const Problem& p, float* act) {
   }
 }
 
-int64_t num_groups(const LinearRef& l) { return (l.K + l.group_size - 1) / l.group_size; }
+int64_t num_groups(const LinearRef& l) { return int4_groups(l.K, l.group_size); }
 
 // Floats of per-thread scratch a linear needs beyond the normed activations.
 int64_t linear_scratch(const LinearRef& l, int64_t M) {
@@ -169,8 +162,7 @@ void team_linear(const LinearRef& l, const float* x, int64_t M, int64_t ldx, flo
 }  // namespace
 
 bool walkable(const LinearRef& l) {
-  return l.kind != WeightKind::kInt4 ||
-         ((l.group_size == 32 || (l.group_size > 0 && l.group_size % kChunk == 0)) && l.K % 2 == 0);
+  return l.kind != WeightKind::kInt4 || int4_shape_ok(l.group_size, l.K);
 }
 
 void decoder_step(const DecoderStep& s, int num_threads) {

@@ -61,6 +61,15 @@ constexpr int kChunk = 64;
 // one thread, 4 rows 0.35 vs 0.38 ms; 6 rows 0.50 vs 0.45 ms).
 constexpr int64_t kInt4DirectMaxRows = 4;
 
+// Whether the int4 kernels can walk a layer: the chunked loop folds group size 32 or a multiple of kChunk, and
+// two weights share a byte.
+inline bool int4_shape_ok(int64_t gs, int64_t K) {
+  return gs > 0 && (gs == 32 || gs % kChunk == 0) && K % 2 == 0;
+}
+
+// Groups per row of K weights (the last one may be short).
+inline int64_t int4_groups(int64_t K, int64_t gs) { return (K + gs - 1) / gs; }
+
 inline int nibble_shift(int j) { return j == 7 ? 0 : 4 * j; }
 
 inline void permute_x(const float* x, int64_t K, float* xp) {
@@ -279,6 +288,17 @@ inline void rows(const Fmt& f, const Problem& p, int64_t n0) {
     const int64_t count = (p.M - m) / (tiles - t) + ((p.M - m) % (tiles - t) != 0);
     emit_rows<NB>(f, p, n0, m, count);
     m += count;
+  }
+}
+
+// Block b of NB weight rows (rows NB b .. NB b + NB - 1), or the rows left over past the last full block.
+template <int NB, typename Fmt>
+inline void row_block(const Fmt& f, const Problem& p, int64_t b) {
+  const int64_t n0 = b * NB;
+  if (n0 + NB <= p.N) {
+    rows<NB>(f, p, n0);
+  } else {
+    for (int64_t n = n0; n < p.N; ++n) rows<1>(f, p, n);
   }
 }
 

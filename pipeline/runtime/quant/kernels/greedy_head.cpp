@@ -8,17 +8,15 @@
 
 #include "gemm_blocks.h"
 
+extern "C" void llmp_gemm_int8(const float* x, int64_t M, int64_t K, int64_t ldx, const int8_t* w,
+                               const float* scales, const float* bias, float* y, int64_t N, int num_threads);
+
 namespace llmp {
 
 void greedy_argmax_int8(const float* x, int64_t R, int64_t K, const int8_t* qweight, const float* scales,
                         const float* weight, int64_t V, const float* error_per_l1, int num_threads, int64_t* out) {
   const std::unique_ptr<float[]> approx(new float[R * V]);
-  const Problem p{x, R, K, K, V, nullptr, approx.get(), V, false};
-  const Int8 fmt{qweight, scales};
-  const int64_t num_blocks = V / 4;
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && V * K >= (1 << 16))
-  for (int64_t b = 0; b < num_blocks; ++b) rows<4>(fmt, p, 4 * b);
-  for (int64_t n = num_blocks * 4; n < V; ++n) rows<1>(fmt, p, n);
+  llmp_gemm_int8(x, R, K, K, qweight, scales, nullptr, approx.get(), V, num_threads);
 
   for (int64_t r = 0; r < R; ++r) {
     const float* xr = x + r * K;

@@ -28,14 +28,7 @@ template <int NB, typename Fmt>
 void run(const Fmt& f, const Problem& p, int num_threads) {
   const int64_t num_blocks = (p.N + NB - 1) / NB;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (worth_threads(p, num_threads))
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    const int64_t n0 = b * NB;
-    if (n0 + NB <= p.N) {
-      rows<NB>(f, p, n0);
-    } else {
-      for (int64_t n = n0; n < p.N; ++n) rows<1>(f, p, n);
-    }
-  }
+  for (int64_t b = 0; b < num_blocks; ++b) row_block<NB>(f, p, b);
 }
 
 }  // namespace
@@ -55,12 +48,12 @@ void llmp_gemm_int8(const float* x, int64_t M, int64_t K, int64_t ldx, const int
 }
 
 // Returns 0; -1 when the activation scratch cannot be allocated; -2 for a group size the chunked loop cannot
-// fold (it needs 32 or a multiple of 64) or an odd K.
+// fold (it needs 32 or a multiple of 64) or an odd K (int4_shape_ok).
 int llmp_gemm_int4(const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* w, const float* scales,
                    const float* zeros, int64_t group_size, const float* bias, float* y, int64_t N,
                    int num_threads) {
-  if ((group_size != 32 && group_size % kChunk != 0) || K % 2 != 0) return -2;
-  const int64_t G = (K + group_size - 1) / group_size;
+  if (!int4_shape_ok(group_size, K)) return -2;
+  const int64_t G = int4_groups(K, group_size);
   const Problem p{x, M, K, ldx, N, bias, y, N, false};
   const bool direct = M <= kInt4DirectMaxRows;
   const int64_t scratch_floats = direct ? M * (K + G) : int64_t{num_threads} * Int4Tile::kTileRows * K;
@@ -91,8 +84,8 @@ void llmp_dequant_int8(const int8_t* w, const float* scales, int64_t N, int64_t 
 
 int llmp_dequant_int4(const uint8_t* w, const float* scales, const float* zeros, int64_t group_size, int64_t N,
                       int64_t K, float* out, int num_threads) {
-  if ((group_size != 32 && group_size % kChunk != 0) || K % 2 != 0) return -2;
-  const int64_t G = (K + group_size - 1) / group_size;
+  if (!int4_shape_ok(group_size, K)) return -2;
+  const int64_t G = int4_groups(K, group_size);
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && N * K >= (1 << 16))
   for (int64_t n = 0; n < N; ++n)
     dequant_int4_row(w + n * (K / 2), scales + n * G, zeros + n * G, K, group_size, w + (n + 1) * (K / 2),

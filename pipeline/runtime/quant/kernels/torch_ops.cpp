@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "decoder.h"
+#include "gemm_blocks.h"
 #include "greedy_head.h"
 
 extern "C" {
@@ -54,7 +55,7 @@ const float* bias_ptr(const std::optional<at::Tensor>& bias, int64_t N) {
 
 int64_t num_groups(int64_t K, int64_t group_size) {
   TORCH_CHECK(group_size > 0 && K % 2 == 0, "int4: need an even in_features and group_size > 0");
-  return (K + group_size - 1) / group_size;
+  return llmp::int4_groups(K, group_size);
 }
 
 void check_int4_status(int rc, int64_t K, int64_t group_size) {
@@ -207,16 +208,16 @@ struct DecoderPlan : torch::CustomClassHolder {
     expect(hidden, at::kFloat, {M, s.H}, "hidden");
     s.hidden = hidden.data_ptr<float>();
     s.M = M;
-    at::Tensor attn_rows, gate_up_out, act, out;
+    at::Tensor attn_rows, mlp_scratch, out;
     if (attn) {
       TORCH_CHECK(s.dense.kind != llmp::WeightKind::kAbsent, "DecoderPlan: entry ", index, " takes no attn");
       attn_rows = attn->contiguous();
       expect(attn_rows, at::kFloat, {M, s.dense.K}, "attn");
       s.attn = attn_rows.const_data_ptr<float>();
-      gate_up_out = at::empty({M, s.gate_up.N}, hidden.options());
-      act = at::empty({M, s.gate_up.N / 2}, hidden.options());
-      s.gate_up_out = gate_up_out.mutable_data_ptr<float>();
-      s.act = act.mutable_data_ptr<float>();
+      // gate_up_out [M, 2 I] then act [M, I], carved from one allocation.
+      mlp_scratch = at::empty({M * (s.gate_up.N + s.gate_up.N / 2)}, hidden.options());
+      s.gate_up_out = mlp_scratch.mutable_data_ptr<float>();
+      s.act = s.gate_up_out + M * s.gate_up.N;
     }
     if (s.next_qkv.kind != llmp::WeightKind::kAbsent) {
       out = at::empty({M, s.next_qkv.N}, hidden.options());
