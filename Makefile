@@ -10,7 +10,7 @@ CONFIG ?= build_configs/smollm2-135m.yaml
 PYTEST_ARGS ?=
 INSTALLED := $(VENV)/.installed
 
-.PHONY: help install build-engine serve test test-slow test-all lint typecheck bench bench-deps validate tiny-model soak image clean
+.PHONY: help install build-engine serve test test-slow test-all lint typecheck bench bench-quant bench-deps validate tiny-model soak image clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
@@ -57,6 +57,9 @@ bench-deps: install  ## peer engines for `make bench`: llama-cpp-python (compile
 bench: install  ## engine (issue 3) + peer comparison (issue 7) -> benchmarks/results/<date>-<machine>*.md (peers: make bench-deps)
 	$(PY) scripts/bench_engine.py --out benchmarks/results $(BENCH_ARGS)
 	$(PY) scripts/bench_peers.py --out benchmarks/results $(BENCH_ARGS)
+
+bench-quant: install  ## issue 5's table: size, accuracy (validate stage) and decode speed per quantization mode
+	$(PY) scripts/quant_table.py --out benchmarks/results
 
 soak: install  ## 20 minutes of mixed traffic against the served tiny model
 	$(PY) scripts/soak.py --minutes 20

@@ -19,23 +19,26 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pipeline.errors import ConfigError
 
 QuantMode = Literal[
-    "none", "int8_wo", "int4_wo", "int4_awq", "w4a8_awq", "int8_sq", "fp8", "fp8_pc_pt", "nvfp4"
+    "none", "int8_wo", "int4_wo", "int4_awq", "int4_gptq", "w4a8_awq", "int8_sq", "fp8", "fp8_pc_pt", "nvfp4"
 ]
-# Which quantization modes each backend implements; `trtllm` follows ModelOpt's quantize.py --qformat list.
+# Which quantization modes each backend implements; `trtllm` follows ModelOpt's quantize.py --qformat list
+# (which has no GPTQ: TensorRT-LLM only loads GPTQ checkpoints made elsewhere).
 BACKEND_QUANT_MODES: dict[str, tuple[str, ...]] = {
-    "torch": ("none", "int8_wo", "int4_wo", "int4_awq"),
+    "torch": ("none", "int8_wo", "int4_wo", "int4_awq", "int4_gptq"),
     "trtllm": ("none", "int8_wo", "int4_wo", "int4_awq", "w4a8_awq", "int8_sq", "fp8", "fp8_pc_pt", "nvfp4"),
 }
 BACKEND_KV_DTYPES: dict[str, tuple[str, ...]] = {
     "torch": ("auto", "int8"),
     "trtllm": ("auto", "int8", "fp8"),
 }
-# quantize.py --qformat -> the checkpoint's quantization.quant_algo (REFERENCE.md §1.3).
+# quantize.py --qformat -> the checkpoint's quantization.quant_algo (REFERENCE.md §1.3; int4_gptq, torch only,
+# takes the QuantAlgo TensorRT-LLM gives GPTQ checkpoints, §2.2).
 QUANT_ALGO: dict[str, str | None] = {
     "none": None,
     "int8_wo": "W8A16",
     "int4_wo": "W4A16",
     "int4_awq": "W4A16_AWQ",
+    "int4_gptq": "W4A16_GPTQ",
     "w4a8_awq": "W4A8_AWQ",
     "int8_sq": "W8A8_SQ_PER_CHANNEL",
     "fp8": "FP8",
@@ -120,7 +123,8 @@ class QuantizationConfig(_Strict):
     activation_aware: bool = Field(
         False,
         description="int8_wo on the torch backend: search per-input-channel scales and clipping ranges on the "
-        "calibration set (AWQ-style) before rounding; same W8A16 format and kernels. int4_awq always does.",
+        "calibration set (AWQ-style) before rounding; same W8A16 format and kernels. int4_awq and int4_gptq "
+        "always do.",
     )
     calibration: CalibrationConfig = Field(default_factory=CalibrationConfig, description="Calibration data.")
 
@@ -220,6 +224,15 @@ class ServingConfig(_Strict):
     skip_special_tokens: bool = Field(True, description="Detokenizer drops special tokens.")
     apply_chat_template: bool = Field(False, description="Wrap text_input in the tokenizer's chat template.")
     request_timeout_s: float = Field(600.0, gt=0, description="Server-side limit on one request's life.")
+    frontend_nice: int | None = Field(
+        None,
+        ge=0,
+        le=19,
+        description="CPU niceness of tritonserver and the tokenizer/detokenizer/BLS stubs (never the engine), so "
+        "they run in the engine's idle moments instead of stalling its OpenMP threads; "
+        "None = 19 on backend torch (lower it if the host also runs other busy processes), 0 on trtllm (its "
+        "engine runs inside tritonserver).",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ServingConfig:
@@ -318,6 +331,9 @@ class BuildConfig(_Strict):
     def _cross_field(self) -> BuildConfig:
         for check in _CROSS_FIELD_CHECKS:
             check(self)
+        if self.serving.frontend_nice is None:
+            # Resolved into the config itself, so the package stage's hash follows this default.
+            self.serving.frontend_nice = 19 if self.backend == "torch" else 0
         return self
 
     def config_hash(self, *sections: str) -> str:
@@ -325,6 +341,11 @@ class BuildConfig(_Strict):
         data = self.model_dump(mode="json")
         picked = {k: data[k] for k in sections} if sections else data
         return hashlib.sha256(json.dumps(picked, sort_keys=True).encode()).hexdigest()[:16]
+
+    @property
+    def frontend_nice(self) -> int:
+        """serving.frontend_nice, which validation resolves from None to the backend's default."""
+        return self.serving.frontend_nice or 0
 
     @property
     def kv_blocks_per_sequence(self) -> int:
@@ -392,9 +413,9 @@ def _check_backend_support(cfg: BuildConfig) -> None:
     if q.activation_aware and (cfg.backend, q.mode) != ("torch", "int8_wo"):
         raise ValueError(
             f"quantization.activation_aware=true applies to mode=int8_wo on backend=torch, not mode={q.mode} on "
-            f"backend={cfg.backend} (for activation-aware int4 use mode=int4_awq)"
+            f"backend={cfg.backend} (for activation-aware int4 use mode=int4_awq or int4_gptq)"
         )
-    if q.mode in ("int4_wo", "int4_awq", "w4a8_awq") and q.group_size not in (32, 64, 128):
+    if q.mode in ("int4_wo", "int4_awq", "int4_gptq", "w4a8_awq") and q.group_size not in (32, 64, 128):
         raise ValueError(f"quantization.group_size={q.group_size} for mode={q.mode} must be 32, 64 or 128")
     if cfg.backend == "torch":
         if cfg.parallel.world_size > 1:
@@ -410,6 +431,11 @@ def _check_backend_support(cfg: BuildConfig) -> None:
             raise ValueError(
                 f"speculative.mode={cfg.speculative.mode} is a TensorRT-LLM mode; the torch backend offers draft_model or ngram"
             )
+    if cfg.backend == "trtllm" and cfg.serving.frontend_nice:
+        raise ValueError(
+            f"serving.frontend_nice={cfg.serving.frontend_nice} with backend=trtllm would slow the engine, which "
+            "runs inside tritonserver; use 0 (or leave it unset)"
+        )
     if cfg.speculative.mode == "draft_model" and not cfg.speculative.draft_config:
         raise ValueError(
             "speculative.mode=draft_model needs speculative.draft_config (the draft engine's build config)"

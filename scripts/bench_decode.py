@@ -3,11 +3,9 @@
     .venv/bin/python scripts/bench_decode.py                  # builds the engine once into .cache/bench/
     .venv/bin/python scripts/bench_decode.py --engine-dir build/smollm2-135m/engine --threads 2
 
-Greedy, fixed lengths (no end id), random prompt tokens. "decode" counts the output tokens made after every
-request has its first one (all prefills done) over that time; "end-to-end" counts every output token over
-the whole run. Other processes on a small shared CPU change wall-clock rates a lot, so the load average is
-printed, and "per CPU-second" (tokens over this process's CPU time, all threads) is reported as a figure
-that depends much less on them.
+Greedy, fixed lengths (no end id), random prompt tokens; what "decode", "end-to-end" and "per CPU-second"
+count: pipeline/bench/decode.py. Other processes on a small shared CPU change wall-clock rates a lot, so
+the load average is printed.
 """
 
 from __future__ import annotations
@@ -20,17 +18,16 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import random  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
+from pipeline.bench.decode import decode_speed, random_prompts  # noqa: E402
 from pipeline.runtime.engine import LLMEngine  # noqa: E402
 from pipeline.runtime.model_runner import ModelRunner  # noqa: E402
 from pipeline.runtime.quant.kernels import kernels_available, kernels_unavailable_reason  # noqa: E402
 from pipeline.runtime.quant.kernels.build import kernel_isa  # noqa: E402
-from pipeline.runtime.sampling_params import SamplingParams  # noqa: E402
 from pipeline.runtime.scheduler import SchedulerConfig  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -54,32 +51,6 @@ def smollm2_engine_dir() -> Path:
     convert(cfg, hf_dir, CACHE / "smollm2-checkpoint")
     build(cfg, CACHE / "smollm2-checkpoint", engine)
     return engine
-
-
-def run(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> dict[str, float]:
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0)
-    started = time.perf_counter()
-    requests = [engine.add_request(f"bench-{started}-{i}", p, params) for i, p in enumerate(prompts)]
-    decode_start: tuple[float, float, int] | None = None  # wall time, CPU time, tokens so far
-    while engine.has_unfinished():
-        engine.step()
-        if decode_start is None and all(r.num_output_tokens >= 1 for r in requests):
-            decode_start = (
-                time.perf_counter(),
-                time.process_time(),
-                sum(r.num_output_tokens for r in requests),
-            )
-    ended, cpu_ended = time.perf_counter(), time.process_time()
-    total = sum(r.num_output_tokens for r in requests)
-    assert decode_start is not None
-    decode_tokens = total - decode_start[2]
-    return {
-        "output_tokens": total,
-        "seconds": round(ended - started, 3),
-        "end_to_end_tok_s": round(total / (ended - started), 1),
-        "decode_tok_s": round(decode_tokens / (ended - decode_start[0]), 1),
-        "decode_tok_per_cpu_s": round(decode_tokens / (cpu_ended - decode_start[1]), 1),
-    }
 
 
 def hf_single_decode(hf_dir: Path, prompt: list[int], new_tokens: int) -> float:
@@ -129,17 +100,13 @@ def main() -> None:
         enable_chunked_context=runner.config.runtime.enable_chunked_context,
     )
     engine = LLMEngine(runner, config)
-    rng = random.Random(0)
-    vocab = runner.config.model.vocab_size
-
-    def prompt() -> list[int]:
-        return [rng.randrange(100, vocab) for _ in range(args.prompt_len)]
+    prompts = random_prompts(args.concurrency + 3, args.prompt_len, runner.config.model.vocab_size)
 
     load_before = os.getloadavg()[0]
-    run(engine, [prompt()], 8)  # warm-up: kernels built, caches and allocator primed
-    single = run(engine, [prompt()], args.new_tokens)
-    batched = run(engine, [prompt() for _ in range(args.concurrency)], args.new_tokens)
-    hf = hf_single_decode(args.hf_dir, prompt(), args.new_tokens) if args.hf_dir else None
+    decode_speed(engine, prompts[:1], 8)  # warm-up: kernels built, caches and allocator primed
+    single = decode_speed(engine, prompts[1:2], args.new_tokens)
+    batched = decode_speed(engine, prompts[3:], args.new_tokens)
+    hf = hf_single_decode(args.hf_dir, prompts[2], args.new_tokens) if args.hf_dir else None
     report = {
         "engine_dir": str(engine_dir),
         "threads": torch.get_num_threads(),

@@ -163,7 +163,7 @@ ISSUE7_TARGETS: tuple[SpeedTarget, ...] = (
     SpeedTarget(
         "ttft_p95_c16_vs_single",
         7,
-        "TTFT p95 at concurrency 16 <= 3x single-request TTFT, 256-token prompts",
+        "TTFT p95 at concurrency 16 (steady state) <= 3x single-request TTFT, 256-token prompts",
         ("llmpipe.fp32.ttft_p95_c16_prompt256_s",),
         ("llmpipe.fp32.ttft_mean_c1_prompt256_s",),
         "<=",

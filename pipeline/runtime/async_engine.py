@@ -91,8 +91,9 @@ class EngineThread:
         self._streams: dict[str, RequestStream] = {}
         self._stopping = False
         self._dead_reason: str | None = None
-        # Held by the engine thread while it steps, so stats() never reads a half-updated engine.
-        self._engine_lock = threading.Lock()
+        # Only the engine thread touches the engine; it publishes a snapshot after every step and admission
+        # round, so stats() (the Triton responder calls it between sends) never waits for a step to end.
+        self._stats = engine.stats()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -147,8 +148,8 @@ class EngineThread:
             return len(self._streams)
 
     def stats(self) -> MetricsSnapshot:
-        with self._engine_lock:
-            return self.engine.stats()
+        """The engine's counters as of its last step or admission round."""
+        return self._stats
 
     def shutdown(self, timeout: float | None = 10.0) -> None:
         """Stop the thread; requests still unfinished end with finish_reason "abort"."""
@@ -162,8 +163,8 @@ class EngineThread:
     def _run(self) -> None:
         try:
             while self._next_round():
-                with self._engine_lock:
-                    outputs = self.engine.step() if self.engine.has_unfinished() else []
+                outputs = self.engine.step() if self.engine.has_unfinished() else []
+                self._stats = self.engine.stats()
                 self._dispatch(outputs)
         except Exception as exc:
             logger.exception("engine thread died")
@@ -183,16 +184,17 @@ class EngineThread:
             checks = [(s.request_id, s._is_cancelled) for s in self._streams.values() if s._is_cancelled]
         aborts += [request_id for request_id, is_cancelled in checks if _cancelled(request_id, is_cancelled)]
         outputs: list[RequestOutput] = []
-        with self._engine_lock:
-            for request_id, prompt_ids, params in new:
-                try:
-                    self.engine.add_request(request_id, prompt_ids, params)
-                except ValueError as exc:  # submit() checked already; only a racing duplicate id lands here
-                    outputs.append(_final_output(request_id, "error", str(exc)))
-            for request_id in aborts:
-                output = self.engine.abort(request_id)
-                if output is not None:
-                    outputs.append(output)
+        for request_id, prompt_ids, params in new:
+            try:
+                self.engine.add_request(request_id, prompt_ids, params)
+            except ValueError as exc:  # submit() checked already; only a racing duplicate id lands here
+                outputs.append(_final_output(request_id, "error", str(exc)))
+        for request_id in aborts:
+            output = self.engine.abort(request_id)
+            if output is not None:
+                outputs.append(output)
+        if new or aborts:
+            self._stats = self.engine.stats()
         self._dispatch(outputs)
         return True
 

@@ -4,8 +4,9 @@ returns the logits of every position of a given sequence (teacher forcing) throu
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -34,6 +35,10 @@ from pipeline.runtime.sampler import Sampler, SampleRow, accept_drafts
 logger = logging.getLogger(__name__)
 
 AttentionChoice = Literal["auto", "kernel", "torch"]
+# One-row steps of models whose decoder layers store at most this many weight bytes run single-threaded on
+# CPU (ModelRunner._threads_for): between SmolLM2's int8 layers (3.5 MB, faster on one thread) and its fp32
+# ones (14 MB, faster on two).
+SINGLE_THREAD_MAX_LAYER_BYTES = 8 << 20
 _MODEL_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -78,6 +83,10 @@ class ModelRunner:
         self.dtype = torch.float32 if self.device.type == "cpu" else _MODEL_DTYPES[model_cfg.dtype]
         self.tokens_per_block = build.plugin_config.tokens_per_block
         weights = load_llama_weights(engine_config, self.device, self.dtype)
+        first = weights.layers[0]
+        self.layer_weight_bytes = sum(
+            linear.weight_bytes for linear in (first.qkv, first.dense, first.gate_up, first.proj)
+        )
         # Sized after the weights are in memory, so "free memory" is what the cache can really use.
         self.num_kv_blocks = num_kv_blocks(
             model_cfg,
@@ -159,6 +168,32 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        with self._threads_for(scheduler_output.num_batched_tokens):
+            return self._execute(scheduler_output)
+
+    @contextlib.contextmanager
+    def _threads_for(self, num_rows: int) -> Iterator[None]:
+        """One-row steps of a model with small layers run on one thread. Measured on 2 vCPUs (SmolLM2,
+        benchmarks/NOTES.md): such a step makes ~60 OpenMP regions, and for int8 / int4 layers (3.5 / 2 MB
+        each) waking the second thread for every region costs more than the half of the work it takes over
+        (one thread decodes 1.3x / 1.1x faster), while fp32 layers (14 MB) stream faster from two cores
+        (two threads: 1.5x). A single-threaded step also leaves the other core to the serving processes."""
+        threads = torch.get_num_threads()
+        if (
+            self.device.type != "cpu"
+            or threads == 1
+            or num_rows > 1
+            or self.layer_weight_bytes > SINGLE_THREAD_MAX_LAYER_BYTES
+        ):
+            yield
+            return
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         chunks: list[SequenceChunk] = []
         input_ids: list[int] = []
         sample_positions: list[int] = []  # rows of the flattened batch whose next token is sampled
@@ -181,12 +216,32 @@ class ModelRunner:
         if not sample_rows:
             return RunnerOutput(sampled_token_ids=[[] for _ in chunks])
         rows = hidden.index_select(0, torch.tensor(sample_positions, dtype=torch.int64, device=self.device))
-        if all(row.plain_greedy for row in sample_rows):
+        if all(row.greedy_with_bans_only for row in sample_rows):
             greedy = self.model.greedy_tokens(rows)
             if greedy is not None:
-                return _split_per_request(scheduler_output, greedy, None)
+                return _split_per_request(
+                    scheduler_output, self._respect_bans(greedy, rows, sample_rows), None
+                )
         token_ids, logprobs = self.sampler(self.model.compute_logits(rows), sample_rows)
         return _split_per_request(scheduler_output, token_ids, logprobs)
+
+    def _respect_bans(self, tokens: list[int], rows: torch.Tensor, sample_rows: list[SampleRow]) -> list[int]:
+        """Unprocessed greedy `tokens` with the rows whose token is banned (e.g. the end id before
+        min_tokens, which benchmarks force) redone through full logits and the sampler: banning tokens other
+        than the argmax cannot change it, so only those rows need the logits."""
+        clashes = [
+            i
+            for i, (token, row) in enumerate(zip(tokens, sample_rows, strict=True))
+            if token in row.banned_tokens()
+        ]
+        if clashes:
+            index = torch.tensor(clashes, dtype=torch.int64, device=self.device)
+            redone, _ = self.sampler(
+                self.model.compute_logits(rows.index_select(0, index)), [sample_rows[i] for i in clashes]
+            )
+            for i, token in zip(clashes, redone, strict=True):
+                tokens[i] = token
+        return tokens
 
     @torch.inference_mode()
     def score(self, token_ids: Sequence[int], block_table: list[int]) -> torch.Tensor:

@@ -44,9 +44,24 @@ class SampleRow:
         return self.request.num_output_tokens + self.num_drafts_before
 
     @property
-    def plain_greedy(self) -> bool:
-        """Greedy with nothing that needs the logits themselves (no penalties, bans or log-probs)."""
-        return self.params.greedy and not self.params.logprobs and not _needs_processing(self)
+    def greedy_with_bans_only(self) -> bool:
+        """Greedy whose only logits processing is banning tokens (bad words, min_tokens), no log-probs: its
+        token is the unprocessed argmax unless that token is banned."""
+        return self.params.greedy and not self.params.logprobs and not self.params.needs_penalties
+
+    def banned_tokens(self) -> set[int]:
+        """The tokens this row may not take (HF's order: bad words, then min_tokens' end id and stop ends)."""
+        p = self.params
+        before_min = self.output_index < p.min_tokens
+        stops = p.stop_token_ids if before_min else ()
+        banned = (
+            completing_tokens(self.context(), [*p.bad_token_ids, *stops])
+            if p.bad_token_ids or stops
+            else set()
+        )
+        if before_min and p.end_id is not None:
+            banned.add(p.end_id)
+        return banned
 
     def context(self) -> list[int]:
         """Prompt + output tokens preceding this row's token."""
@@ -122,11 +137,7 @@ def process_logits(row_logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
         output = torch.tensor(context[num_prompt:], dtype=torch.int64, device=device)
         counts = torch.bincount(output, minlength=logits.shape[0]).to(logits.dtype)
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
-    banned = completing_tokens(context, p.bad_token_ids)
-    if row.output_index < p.min_tokens:
-        banned |= completing_tokens(context, p.stop_token_ids)
-        if p.end_id is not None:
-            banned.add(p.end_id)
+    banned = row.banned_tokens()
     if banned:
         logits[torch.tensor(sorted(banned), dtype=torch.int64, device=device)] = float("-inf")
     return logits

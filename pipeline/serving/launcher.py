@@ -35,6 +35,8 @@ from types import FrameType, TracebackType
 
 from pipeline.errors import ServingError
 from pipeline.serving.health import HealthWatch
+from pipeline.serving.priority import lower_priority
+from pipeline.serving.repository import packaged_frontend_nice
 from pipeline.serving.server_cmd import (
     ServerOptions,
     TritonInstall,
@@ -176,6 +178,9 @@ class TritonServer:
             self.wait_ready(self.ready_timeout_s)
             with self._log_lock:
                 self._lines_at_ready = self._num_lines
+            # After loading: the engine stubs were forked at niceness 0 and keep it (priority.py says why).
+            nice = self.options.frontend_nice
+            lower_priority(self.process.pid, packaged_frontend_nice(repo) if nice is None else nice)
         except BaseException:
             self.stop()
             raise

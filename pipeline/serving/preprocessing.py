@@ -6,12 +6,14 @@ rows of different lengths are right-padded with the pad id (REQUEST_INPUT_LEN ho
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
 
 from pipeline.serving import triton_utils as tu
 from pipeline.serving.io import InvalidInputError
+from pipeline.serving.priority import lower_priority
 from pipeline.serving.tokenization import PromptEncoder, decode_text
 
 INPUTS = ("QUERY", "REQUEST_OUTPUT_LEN", "BAD_WORDS_DICT", "STOP_WORDS_DICT", "END_ID", "PAD_ID")
@@ -114,6 +116,7 @@ class PreprocessingModel:
 
         config = json.loads(args["model_config"])
         params = tu.ModelParameters(args["model_name"], config)
+        lower_priority(os.getpid(), params.integer("process_nice", 0, minimum=0))
         self.encoder = PromptEncoder.from_dir(
             params.path("tokenizer_dir", tu.version_dir(args)),
             add_special_tokens=params.boolean("add_special_tokens", True),

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.artifacts import MANIFEST_NAME, link_tree
+from pipeline.artifacts import MANIFEST_NAME, link_tree, read_manifest
 from pipeline.config import BuildConfig
 from pipeline.errors import ConfigError, MissingArtifactError
 from pipeline.serving.pbtxt import check_ensemble, parse_model_config
@@ -38,6 +38,7 @@ TOKENIZER_MODELS = ("preprocessing", "postprocessing", "tensorrt_llm_bls")
 TEMPLATE_NAME = "config.pbtxt.tmpl"
 ENGINE_SUBDIR = "engine"
 TOKENIZER_SUBDIR = "tokenizer"
+FRONTEND_NICE_FACT = "frontend_nice"  # the package manifest's record of serving.frontend_nice
 
 
 def templates_dir() -> Path:
@@ -138,6 +139,7 @@ def template_values(cfg: BuildConfig, engine_param_path: Path | None = None) -> 
         "exclude_input_in_output": _flag(serving.exclude_input_in_output),
         "max_input_len": str(engine.max_input_len),
         "max_seq_len": str(engine.max_seq_len),
+        "process_nice": str(cfg.frontend_nice),
     }
     if cfg.backend == "trtllm":
         from pipeline.backends.trtllm.triton_params import tensorrt_llm_header, tensorrt_llm_parameters
@@ -229,6 +231,13 @@ def render_configs(
     return rendered
 
 
+def packaged_frontend_nice(repo: Path) -> int:
+    """The niceness `llmpipe package` chose for tritonserver (serving.frontend_nice); 0 for a repository it
+    did not write."""
+    manifest = read_manifest(Path(repo))
+    return int(manifest.facts.get(FRONTEND_NICE_FACT, 0)) if manifest is not None else 0
+
+
 def render_model_repository(
     cfg: BuildConfig, engine_dir: Path, out_dir: Path, templates: Path | None = None
 ) -> dict[str, Any]:
@@ -267,6 +276,7 @@ def render_model_repository(
         "tokenizer": {m: f"{m}/1/{TOKENIZER_SUBDIR}" for m in TOKENIZER_MODELS},
         "config_sha256": {m: hashlib.sha256(t.encode()).hexdigest() for m, t in configs.items()},
         "tool_packages": ["tritonclient"],
+        FRONTEND_NICE_FACT: cfg.frontend_nice,
     }
     if draft is not None:
         facts["draft_engine"] = str(draft.engine_dir)

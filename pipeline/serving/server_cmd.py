@@ -52,6 +52,8 @@ class ServerOptions:
     # tp*pp of a trtllm engine: one tritonserver rank per GPU under mpirun, rank 0 serving clients.
     world_size: int = 1
     tensorrt_llm_model_names: tuple[str, ...] = ("tensorrt_llm",)
+    # tritonserver's niceness once ready (priority.py); None: what the package manifest recorded
+    frontend_nice: int | None = None
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
 

@@ -64,9 +64,12 @@ def expected(engine_dir: Path) -> dict[tuple[str, int], str]:
 
 def _server(tiny_llama_dir: Path, engine_dir: Path, root: Path, decoupled: bool) -> Iterator[TritonServer]:
     repo = root / "model_repo"
-    render_model_repository(tiny_config(tiny_llama_dir, decoupled=decoupled), engine_dir, repo)
+    cfg = tiny_config(tiny_llama_dir, decoupled=decoupled)
+    render_model_repository(cfg, engine_dir, repo)
     # A roomy exit timeout: the check is that shutdown is clean, not fast, on a busy 2-core machine.
-    options = ServerOptions(repo, http_port=0, grpc_port=0, metrics_port=0, exit_timeout_s=20)
+    options = ServerOptions(
+        repo, http_port=0, grpc_port=0, metrics_port=0, exit_timeout_s=20, frontend_nice=cfg.frontend_nice
+    )
     server = TritonServer(options, ready_timeout_s=240)
     server.start()
     try:
@@ -197,6 +200,41 @@ def test_metrics_endpoint_shows_engine_gauges_and_latencies(streaming: TritonSer
     assert metric(values, "llmpipe_time_to_first_token_seconds_count") >= 1
     assert metric(values, "llmpipe_inter_token_latency_seconds_bucket", le="+Inf") >= 1
     assert metric(values, "nv_inference_request_success", model="ensemble") >= 1
+
+
+def _thread_nices(pid: int) -> set[int]:
+    return {
+        int((task / "stat").read_text().rsplit(")", 1)[1].split()[16])
+        for task in Path(f"/proc/{pid}/task").iterdir()
+    }
+
+
+def _children(pid: int) -> dict[str, int]:
+    """Model name -> stub pid, from the stubs' command lines (they name their model.py)."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            command = (entry / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        match = re.search(r"model_repo/([A-Za-z_]+)/1/model\.py", command)
+        if ppid == pid and match:
+            out[match.group(1)] = int(entry.name)
+    return out
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads Linux /proc")
+def test_the_front_end_yields_to_the_engine(streaming: TritonServer) -> None:
+    assert streaming.process is not None
+    stubs = _children(streaming.process.pid)
+    assert set(stubs) == {"preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls"}
+    assert _thread_nices(streaming.process.pid) == {19}
+    for model in ("preprocessing", "postprocessing", "tensorrt_llm_bls"):
+        assert _thread_nices(stubs[model]) == {19}, model
+    assert _thread_nices(stubs["tensorrt_llm"]) == {0}
 
 
 def test_bad_requests_are_client_errors_naming_the_input(streaming: TritonServer) -> None:

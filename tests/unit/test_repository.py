@@ -60,6 +60,12 @@ def test_rendered_configs_follow_the_build_config(repo: Path) -> None:
     )
     pre = {k: v.string_value for k, v in _config(repo, "preprocessing").parameters.items()}
     assert pre["tokenizer_dir"] == "tokenizer" and pre["max_input_len"] == "256"
+    for model in (
+        "preprocessing",
+        "postprocessing",
+        "tensorrt_llm_bls",
+    ):  # the front-end yields to the engine
+        assert _config(repo, model).parameters["process_nice"].string_value == "19"
 
 
 def test_tensor_names_match_the_serving_code(repo: Path) -> None:

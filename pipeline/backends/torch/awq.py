@@ -1,5 +1,5 @@
-"""Activation-aware scaling of a runtime-layout checkpoint before weight-only quantization (int4_awq, and
-int8_wo with quantization.activation_aware).
+"""Activation-aware scaling of a runtime-layout checkpoint before weight-only quantization (int4_awq,
+int8_wo with quantization.activation_aware, and int4_gptq before its rounding, backends/torch/gptq.py).
 
 Per transformer block, each linear layer's input scales s are searched (runtime.quant.awq) and folded so
 that the engine computes the same function with unchanged kernels (quant_algo W4A16_AWQ or W8A16, no
@@ -91,6 +91,51 @@ def _update(tensors: dict[str, torch.Tensor], name: str, fn: Callable[[torch.Ten
     tensors[name] = fn(tensors[name].to(torch.float32)).to(tensors[name].dtype)
 
 
+@dataclass(frozen=True)
+class BlockScales:
+    """What scale_block chose for one block, per linear layer name."""
+
+    scales: dict[str, torch.Tensor]  # the layer's inputs are divided by these, its weight columns multiplied
+    alpha: dict[str, float]
+    error_vs_round_to_nearest: dict[str, float]  # output error of rounding the result / of plain rounding
+
+
+def scale_block(
+    tensors: dict[str, torch.Tensor],
+    block: int,
+    stats: dict[str, InputStats],
+    fmt: WeightFormat,
+    shape: Shape,
+    *,
+    clip: bool = True,
+) -> BlockScales:
+    """Search, clip (unless told not to) and fold the linear layers of one block of `tensors` (runtime
+    layout, in place)."""
+    p = f"transformer.layers.{block}."
+    scales, alphas, ratios = {}, {}, {}
+    for name in LAYER_LINEARS:
+        key = f"{p}{name}.weight"
+        original = tensors[key].to(torch.float32)
+        found = search_scales(
+            original, stats[name], fmt, tie=shape.tie_heads if name == "attention.dense" else None
+        )
+        s = scales[name] = found.scales
+        scaled = original * s
+        if clip:
+            scaled = search_clip(scaled, scaled_moment(stats[name], s), fmt)
+        tensors[key] = scaled.to(tensors[key].dtype)
+        error = output_error(fmt.round_trip(scaled) / s - original, stats[name].second_moment)
+        alphas[name] = found.alpha
+        ratios[name] = max(error, 1e-30) / max(found.plain_error, 1e-30)
+    fold_into_producers(tensors, block, scales, shape)
+    return BlockScales(scales, alphas, ratios)
+
+
+def scaled_moment(stats: InputStats, scales: torch.Tensor) -> torch.Tensor:
+    """E[(x/s)(x/s)^T] = M / (s s^T): the second moment of the inputs a scaled layer sees."""
+    return stats.second_moment / torch.outer(scales, scales)
+
+
 def apply_activation_aware_scales(
     tensors: dict[str, torch.Tensor],
     pretrained: dict[str, Any],
@@ -102,44 +147,53 @@ def apply_activation_aware_scales(
     """Search, clip and fold every block of `tensors` (runtime layout, in place) against its calibration
     statistics. Returns facts: per linear layer, the alpha chosen in each block, and the output error of
     the result relative to round-to-nearest (geometric mean over blocks)."""
+    shape = Shape.of(pretrained)
+    facts = BlockFacts()
+    bar = progress_bar(block_stats, pretrained, f"AWQ search ({fmt.scheme})", progress)
+    for block, stats in bar:
+        found = scale_block(tensors, block, stats, fmt, shape)
+        facts.add(bar, found.error_vs_round_to_nearest, alpha=found.alpha)
+    bar.close()
+    return facts.summary()
+
+
+def progress_bar(items: Iterable[Any], pretrained: dict[str, Any], desc: str, progress: bool) -> Any:
+    """A tqdm bar over the blocks of the model, on stderr like the other stages' bars."""
     from tqdm import tqdm
 
-    shape = Shape.of(pretrained)
-    alphas: dict[str, list[float]] = {name: [] for name in LAYER_LINEARS}
-    log_ratios: dict[str, list[float]] = {name: [] for name in LAYER_LINEARS}
-    bar = tqdm(
-        block_stats,
+    return tqdm(
+        items,
         total=pretrained["num_hidden_layers"],
-        desc=f"AWQ search ({fmt.scheme})",
+        desc=desc,
         unit="layer",
         file=sys.stderr,
         disable=not progress,
     )
-    for block, stats in bar:
-        p = f"transformer.layers.{block}."
-        scales = {}
-        for name in LAYER_LINEARS:
-            key = f"{p}{name}.weight"
-            original = tensors[key].to(torch.float32)
-            found = search_scales(
-                original, stats[name], fmt, tie=shape.tie_heads if name == "attention.dense" else None
-            )
-            s = scales[name] = found.scales
-            # The scaled layer sees inputs x / s: E[(x/s)(x/s)^T] = M / (s s^T).
-            scaled = search_clip(original * s, stats[name].second_moment / torch.outer(s, s), fmt)
-            tensors[key] = scaled.to(tensors[key].dtype)
-            error = output_error(fmt.round_trip(scaled) / s - original, stats[name].second_moment)
-            alphas[name].append(found.alpha)
-            log_ratios[name].append(math.log(max(error, 1e-30) / max(found.plain_error, 1e-30)))
-        fold_into_producers(tensors, block, scales, shape)
+
+
+class BlockFacts:
+    """Per linear layer, facts gathered block by block: the error of the result relative to
+    round-to-nearest (reported as the geometric mean over blocks) and any per-block values."""
+
+    def __init__(self) -> None:
+        self.log_ratios: dict[str, list[float]] = {name: [] for name in LAYER_LINEARS}
+        self.values: dict[str, dict[str, list[float]]] = {}
+
+    def add(self, bar: Any, error_ratios: dict[str, float], **values: dict[str, float]) -> None:
+        for name, ratio in error_ratios.items():
+            self.log_ratios[name].append(math.log(ratio))
+        for key, per_layer in values.items():
+            for name, value in per_layer.items():
+                self.values.setdefault(key, {n: [] for n in LAYER_LINEARS})[name].append(value)
         bar.set_postfix_str(
-            "error vs RTN " + " ".join(f"{math.exp(log_ratios[n][-1]):.2f}" for n in LAYER_LINEARS),
-            refresh=False,
+            "error vs RTN " + " ".join(f"{error_ratios[n]:.2f}" for n in LAYER_LINEARS), refresh=False
         )
-    bar.close()
-    return {
-        "alpha": alphas,
-        "error_vs_round_to_nearest": {
-            name: round(math.exp(sum(v) / len(v)), 4) if v else None for name, v in log_ratios.items()
-        },
-    }
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            **self.values,
+            "error_vs_round_to_nearest": {
+                name: round(math.exp(sum(v) / len(v)), 4) if v else None
+                for name, v in self.log_ratios.items()
+            },
+        }

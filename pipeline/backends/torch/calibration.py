@@ -1,4 +1,4 @@
-"""Calibration for activation-aware quantization: the calibration texts (`quantization.calibration`), and
+"""Calibration for activation-aware and GPTQ quantization: the calibration texts (`quantization.calibration`), and
 the statistics of every linear layer's inputs, collected by running the float32 Hugging Face model one
 transformer block at a time (so only one block's activations are ever held).
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -99,10 +99,17 @@ class _Captured(Exception):
 
 
 def layer_input_stats(
-    hf_dir: Path, calibration: CalibrationConfig
+    hf_dir: Path,
+    calibration: CalibrationConfig,
+    quantized_block: Callable[[int], dict[str, torch.Tensor]] | None = None,
 ) -> tuple[int, Iterator[tuple[int, dict[str, InputStats]]]]:
     """(number of calibration tokens, an iterator over the blocks in order yielding (index, {runtime linear
-    name: InputStats})). Each block runs on the float32 outputs of the block before it."""
+    name: InputStats})). Each block runs on the float32 outputs of the block before it.
+
+    With `quantized_block`, once the consumer asks for the next block, `quantized_block(index)` gives the
+    block's tensors as the engine will compute with them (runtime names without the layer prefix, e.g.
+    "attention.qkv.weight") and the block's outputs are recomputed with those: later blocks are calibrated
+    on what the quantized earlier blocks produce."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -117,7 +124,7 @@ def layer_input_stats(
     blocks = model.model.layers
     with torch.no_grad():
         inputs = [_first_block_inputs(model, blocks[0], ids) for ids in samples]
-    return sum(len(s) for s in samples), _walk_blocks(blocks, inputs)
+    return sum(len(s) for s in samples), _walk_blocks(blocks, inputs, quantized_block)
 
 
 def _first_block_inputs(
@@ -143,7 +150,9 @@ def _first_block_inputs(
 
 
 def _walk_blocks(
-    blocks: torch.nn.ModuleList, inputs: list[tuple[torch.Tensor, dict[str, Any]]]
+    blocks: torch.nn.ModuleList,
+    inputs: list[tuple[torch.Tensor, dict[str, Any]]],
+    quantized_block: Callable[[int], dict[str, torch.Tensor]] | None,
 ) -> Iterator[tuple[int, dict[str, InputStats]]]:
     hidden = [h for h, _ in inputs]
     for index, block in enumerate(blocks):
@@ -158,14 +167,39 @@ def _walk_blocks(
             stats[name] = InputStats(module.in_features)
             handles.append(module.register_forward_pre_hook(_recorder(stats[name])))
         try:
-            with torch.no_grad():
-                for j, (_, kwargs) in enumerate(inputs):
-                    out = block(hidden[j], **kwargs)
-                    hidden[j] = out[0] if isinstance(out, tuple) else out
+            outputs = _forward(block, hidden, inputs)
         finally:
             for handle in handles:
                 handle.remove()
         yield index, stats
+        if quantized_block is not None and index + 1 < len(blocks):
+            _load_block(block, quantized_block(index))
+            outputs = _forward(block, hidden, inputs)
+        hidden = outputs
+
+
+def _forward(
+    block: torch.nn.Module, hidden: list[torch.Tensor], inputs: list[tuple[torch.Tensor, dict[str, Any]]]
+) -> list[torch.Tensor]:
+    outputs = []
+    with torch.no_grad():
+        for h, (_, kwargs) in zip(hidden, inputs, strict=True):
+            out = block(h, **kwargs)
+            outputs.append(out[0] if isinstance(out, tuple) else out)
+    return outputs
+
+
+def _load_block(block: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy one block's runtime-layout tensors into its HF modules (splitting the fused ones)."""
+    from pipeline.backends.torch.checkpoint import LAYER_WEIGHTS, QKV_BIAS_WEIGHTS
+
+    for runtime, sources in {**LAYER_WEIGHTS, **QKV_BIAS_WEIGHTS}.items():
+        if runtime in tensors:
+            params = [block.get_parameter(source) for source in sources]
+            parts = tensors[runtime].split([param.shape[0] for param in params])
+            with torch.no_grad():
+                for param, part in zip(params, parts, strict=True):
+                    param.copy_(part)
 
 
 def _recorder(stats: InputStats) -> Any:

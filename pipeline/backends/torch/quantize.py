@@ -1,6 +1,7 @@
 """quantize (torch backend): weight-only int8 (W8A16, per output channel), int4 (W4A16, group-wise with
-zero points) or activation-aware int4 (W4A16_AWQ: calibrated input scales folded into the preceding
-weights, then the same int4 format; int8 too with quantization.activation_aware) applied to a converted
+zero points), activation-aware int4 (W4A16_AWQ: calibrated input scales folded into the preceding
+weights, then the same int4 format; int8 too with quantization.activation_aware) or GPTQ int4 (W4A16_GPTQ:
+the same format, levels chosen by error-feedback rounding on calibration inputs) applied to a converted
 checkpoint. The packed tensors use the on-disk layout of `pipeline.runtime.quant.primitives`; the scheme
 and group size go into `config.json`'s `quantization` section, which the runtime's loader reads (never a
 file name)."""
@@ -23,10 +24,10 @@ from pipeline.runtime.engine_config import TOKENIZER_DIR, WEIGHTS_FILE
 from pipeline.runtime.quant.linear import QuantLinear, Scheme
 
 # quantization.mode -> the QuantLinear scheme.
-SCHEMES: dict[str, Scheme] = {"int8_wo": "int8", "int4_wo": "int4", "int4_awq": "int4"}
+SCHEMES: dict[str, Scheme] = {"int8_wo": "int8", "int4_wo": "int4", "int4_awq": "int4", "int4_gptq": "int4"}
 # Modes whose scales are always searched on calibration data first (backends/torch/awq.py); int8_wo does
-# when quantization.activation_aware is set.
-ACTIVATION_AWARE = ("int4_awq",)
+# when quantization.activation_aware is set. int4_gptq rounds better after the search (backends/torch/gptq.py).
+ACTIVATION_AWARE = ("int4_awq", "int4_gptq")
 # The linear layers of each transformer block (runtime names, see checkpoint.LAYER_WEIGHTS).
 LAYER_LINEARS = ("attention.qkv", "attention.dense", "mlp.gate_up", "mlp.proj")
 
@@ -60,13 +61,23 @@ def quantize(cfg: BuildConfig, ckpt_dir: Path, out_dir: Path, hf_dir: Path | Non
     if q.quantize_lm_head:
         prefixes.append("lm_head")
     dense_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    awq_facts = None
-    if _is_activation_aware(q):
-        awq_facts = _activation_aware(cfg, tensors, pretrained, hf_dir, group_size)
+    calibrated_facts: dict[str, Any] = {}
+    packed: dict[str, dict[str, torch.Tensor]] = {}  # layers already rounded by GPTQ
+    if q.mode == "int4_gptq":
+        assert group_size is not None
+        packed, calibrated_facts["gptq"] = _gptq(cfg, tensors, pretrained, hf_dir, group_size)
+    elif _is_activation_aware(q):
+        calibrated_facts["awq"] = _activation_aware(cfg, tensors, pretrained, hf_dir, group_size)
     for prefix in prefixes:
         weight = tensors.pop(f"{prefix}.weight")
         bias = tensors.pop(f"{prefix}.bias", None)
-        layer = QuantLinear.from_float(weight.to(torch.float32), bias, scheme=scheme, group_size=group_size)
+        if prefix in packed:
+            bias_tensors = {} if bias is None else {"bias": bias.to(torch.float32)}
+            layer = QuantLinear(scheme, {**packed[prefix], **bias_tensors}, group_size)
+        else:
+            layer = QuantLinear.from_float(
+                weight.to(torch.float32), bias, scheme=scheme, group_size=group_size
+            )
         for key, value in layer.state_tensors().items():
             tensors[f"{prefix}.{key}"] = value.contiguous()
     quant_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -92,7 +103,7 @@ def quantize(cfg: BuildConfig, ckpt_dir: Path, out_dir: Path, hf_dir: Path | Non
         "weights_bytes_before": dense_bytes,
         "weights_bytes_after": quant_bytes,
         "seconds": round(time.perf_counter() - started, 2),
-        **({"awq": awq_facts} if awq_facts is not None else {}),
+        **calibrated_facts,
     }
 
 
@@ -123,12 +134,30 @@ def _activation_aware(
     from pipeline.backends.torch.calibration import layer_input_stats
     from pipeline.runtime.quant.awq import WeightFormat
 
+    calibration = cfg.quantization.calibration
+    tokens, block_stats = layer_input_stats(_calibration_model(cfg, hf_dir), calibration)
+    fmt = WeightFormat(SCHEMES[cfg.quantization.mode], group_size)
+    facts = apply_activation_aware_scales(tensors, pretrained, block_stats, fmt)
+    return {"calibration": {**calibration.model_dump(), "tokens": tokens}, **facts}
+
+
+def _gptq(
+    cfg: BuildConfig,
+    tensors: dict[str, torch.Tensor],
+    pretrained: dict[str, Any],
+    hf_dir: Path | None,
+    group_size: int,
+) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
+    """Fold activation-aware scales into `tensors`, then GPTQ-round every block's linear layers."""
+    from pipeline.backends.torch.gptq import apply_gptq
+
+    calibration = cfg.quantization.calibration
+    return apply_gptq(tensors, pretrained, _calibration_model(cfg, hf_dir), calibration, group_size)
+
+
+def _calibration_model(cfg: BuildConfig, hf_dir: Path | None) -> Path:
     if hf_dir is None:
         raise MissingArtifactError(
             f"quantization.mode={cfg.quantization.mode} calibrates on the HF checkpoint, which was not given"
         )
-    calibration = cfg.quantization.calibration
-    tokens, block_stats = layer_input_stats(Path(hf_dir), calibration)
-    fmt = WeightFormat(SCHEMES[cfg.quantization.mode], group_size)
-    facts = apply_activation_aware_scales(tensors, pretrained, block_stats, fmt)
-    return {"calibration": {**calibration.model_dump(), "tokens": tokens}, **facts}
+    return Path(hf_dir)

@@ -23,11 +23,20 @@ class Linear(Protocol):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of stored weights a forward reads (for a quantized layer: codes, scales, zero points)."""
+        ...
+
 
 class DenseLinear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight = weight  # [out, in]
         self.bias = bias
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.weight.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # Few-row fp32 CPU inputs (decode) take the hand-written GEMV, ~20% faster than MKL's here and

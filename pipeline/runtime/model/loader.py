@@ -17,8 +17,14 @@ from pipeline.runtime.model.layers import DenseLinear, Linear
 from pipeline.runtime.model.llama import LayerWeights, LlamaWeights
 
 # pretrained_config.quantization.quant_algo -> QuantLinear scheme. AWQ is int4 group-wise once its
-# activation scales are folded into the preceding weights (quantization.pre_quant_scale false).
-QUANT_SCHEMES: dict[str, Literal["int8", "int4"]] = {"W8A16": "int8", "W4A16": "int4", "W4A16_AWQ": "int4"}
+# activation scales are folded into the preceding weights (quantization.pre_quant_scale false); GPTQ only
+# chooses the int4 levels.
+QUANT_SCHEMES: dict[str, Literal["int8", "int4"]] = {
+    "W8A16": "int8",
+    "W4A16": "int4",
+    "W4A16_AWQ": "int4",
+    "W4A16_GPTQ": "int4",
+}
 
 
 class CheckpointTensors(Mapping[str, torch.Tensor]):

@@ -64,6 +64,10 @@ class QuantLinear(torch.nn.Module):
             tensor = tensors.get(name)
             self.register_buffer(name, None if tensor is None else tensor.contiguous())
 
+    @property
+    def weight_bytes(self) -> int:
+        return sum(b.nbytes for name, b in self.named_buffers() if name != "bias")
+
     @classmethod
     def from_float(
         cls,

@@ -59,6 +59,17 @@ def quantize_int4_groupwise(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[out, in] float -> (packed uint8 [out, in // 2], scales fp32 [out, G], zeros fp32 [out, G])."""
     w = _as_fp32_matrix(weight)
+    in_features = w.shape[1]
+    lo, hi = int4_group_range(w, group_size)
+    scales, zeros = int4_grid(lo, hi)  # [out, G]
+    lo_cols = _expand_groups(lo, group_size, in_features)
+    scale_cols = _expand_groups(scales, group_size, in_features)
+    return pack_int4(int4_levels(w, lo_cols, scale_cols)), scales, zeros
+
+
+def int4_group_range(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] float -> (min, max) of each (row, group), fp32 [out, G] each."""
+    w = _as_fp32_matrix(weight)
     out_features, in_features = w.shape
     check_int4_shape(in_features, group_size)
     num_g = num_groups(in_features, group_size)
@@ -72,14 +83,20 @@ def quantize_int4_groupwise(
         .view(out_features, num_g, group_size)
         .amax(2)
     )
+    return lo, hi
+
+
+def int4_grid(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scales, zeros) of groups whose 16 levels span [lo, hi] (elementwise); see the module docstring."""
     span = hi - lo
     # A constant group gets scale 1 and zero -min: q = 0 decodes to the constant exactly.
-    scales = torch.where(span > 0, span / INT4_QMAX, torch.ones_like(span))  # [out, G]
-    zeros = -lo / scales
-    lo_cols = _expand_groups(lo, group_size, in_features)
-    scale_cols = _expand_groups(scales, group_size, in_features)
-    q = torch.round((w - lo_cols) / scale_cols).clamp_(0, INT4_QMAX).to(torch.uint8)
-    return pack_int4(q), scales, zeros
+    scales = torch.where(span > 0, span / INT4_QMAX, torch.ones_like(span))
+    return scales, -lo / scales
+
+
+def int4_levels(w: torch.Tensor, lo: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The level q in [0, 15] (uint8) of the grid lo + q * scales nearest to each w (elementwise)."""
+    return torch.round((w - lo) / scales).clamp_(0, INT4_QMAX).to(torch.uint8)
 
 
 def dequantize_int4(
