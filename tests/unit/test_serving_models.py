@@ -38,7 +38,9 @@ def engine_dir(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 def _repo(tiny_llama_dir: Path, engine_dir: Path, root: Path, decoupled: bool) -> Path:
     repo = root / ("decoupled" if decoupled else "unary")
-    render_model_repository(tiny_config(tiny_llama_dir, decoupled=decoupled), engine_dir, repo)
+    # The models run inside this test process here: they must not renice it (serving.frontend_nice).
+    cfg = tiny_config(tiny_llama_dir, decoupled=decoupled, serving={"frontend_nice": 0})
+    render_model_repository(cfg, engine_dir, repo)
     return repo
 
 
