@@ -15,7 +15,13 @@ from pipeline.stages import PIPELINE, STAGES
 from pipeline.stages.fetch import checkpoint_dir
 from pipeline.stages.runner import StageInput, run_stage, stage_dir
 
-PRECISION_OF_MODE = {"none": "fp32", "int8_wo": "int8", "int4_wo": "int4", "int4_awq": "int4", "int4_gptq": "int4"}
+PRECISION_OF_MODE = {
+    "none": "fp32",
+    "int8_wo": "int8",
+    "int4_wo": "int4",
+    "int4_awq": "int4",
+    "int4_gptq": "int4",
+}
 
 
 @dataclass(frozen=True)

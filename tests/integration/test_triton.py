@@ -64,7 +64,7 @@ def expected(engine_dir: Path) -> dict[tuple[str, int], str]:
 
 def _server(tiny_llama_dir: Path, engine_dir: Path, root: Path, decoupled: bool) -> Iterator[TritonServer]:
     repo = root / "model_repo"
-    cfg = tiny_config(tiny_llama_dir, decoupled=decoupled)
+    cfg = tiny_config(tiny_llama_dir, decoupled=decoupled, serving={"frontend_nice": 19})
     render_model_repository(cfg, engine_dir, repo)
     # A roomy exit timeout: the check is that shutdown is clean, not fast, on a busy 2-core machine.
     options = ServerOptions(

@@ -64,8 +64,8 @@ def test_rendered_configs_follow_the_build_config(repo: Path) -> None:
         "preprocessing",
         "postprocessing",
         "tensorrt_llm_bls",
-    ):  # the front-end yields to the engine
-        assert _config(repo, model).parameters["process_nice"].string_value == "19"
+    ):  # serving.frontend_nice: off by default
+        assert _config(repo, model).parameters["process_nice"].string_value == "0"
 
 
 def test_tensor_names_match_the_serving_code(repo: Path) -> None:
