@@ -21,6 +21,7 @@ from typing import Any
 from pipeline.bench import report
 from pipeline.bench.builds import ensure_built
 from pipeline.bench.decode import decode_speed, random_prompts
+from pipeline.config import BuildConfig
 from pipeline.errors import run_script
 
 SMOLLM2 = "build_configs/smollm2-135m.yaml"
@@ -62,13 +63,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _validation(config: str, overrides: list[str]) -> dict[str, Any]:
-    from pipeline.config import load_build_config
+def _validation(cfg: BuildConfig) -> dict[str, Any]:
     from pipeline.stages import STAGES
     from pipeline.stages.runner import run_stage
     from pipeline.validate.stage import SPEC, load_report
 
-    cfg = load_build_config(config, overrides)
     result = run_stage(cfg, SPEC, {**STAGES, SPEC.name: SPEC})
     validation = load_report(result)
     row = {name: validation["metrics"].get(name) for name in METRICS}
@@ -99,7 +98,7 @@ def measure(label: str, args: argparse.Namespace) -> dict[str, Any]:
     size = sum(f.stat().st_size for f in build.engine_dir.glob("*.safetensors"))
     row: dict[str, Any] = {"mode": label, "engine_mb": round(size / 1e6, 1)}
     if not args.no_validate:
-        row |= _validation(config, overrides)
+        row |= _validation(build.cfg)
     print(f"{label}: measuring decode speed", file=sys.stderr)
     return row | _speeds(build.engine_dir, args.prompt_len, args.new_tokens)
 

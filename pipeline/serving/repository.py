@@ -139,7 +139,7 @@ def template_values(cfg: BuildConfig, engine_param_path: Path | None = None) -> 
         "exclude_input_in_output": _flag(serving.exclude_input_in_output),
         "max_input_len": str(engine.max_input_len),
         "max_seq_len": str(engine.max_seq_len),
-        "process_nice": str(cfg.frontend_nice),
+        "process_nice": str(cfg.serving.frontend_nice),
     }
     if cfg.backend == "trtllm":
         from pipeline.backends.trtllm.triton_params import tensorrt_llm_header, tensorrt_llm_parameters
@@ -276,7 +276,7 @@ def render_model_repository(
         "tokenizer": {m: f"{m}/1/{TOKENIZER_SUBDIR}" for m in TOKENIZER_MODELS},
         "config_sha256": {m: hashlib.sha256(t.encode()).hexdigest() for m, t in configs.items()},
         "tool_packages": ["tritonclient"],
-        FRONTEND_NICE_FACT: cfg.frontend_nice,
+        FRONTEND_NICE_FACT: cfg.serving.frontend_nice,
     }
     if draft is not None:
         facts["draft_engine"] = str(draft.engine_dir)

@@ -68,7 +68,12 @@ def _server(tiny_llama_dir: Path, engine_dir: Path, root: Path, decoupled: bool)
     render_model_repository(cfg, engine_dir, repo)
     # A roomy exit timeout: the check is that shutdown is clean, not fast, on a busy 2-core machine.
     options = ServerOptions(
-        repo, http_port=0, grpc_port=0, metrics_port=0, exit_timeout_s=20, frontend_nice=cfg.frontend_nice
+        repo,
+        http_port=0,
+        grpc_port=0,
+        metrics_port=0,
+        exit_timeout_s=20,
+        frontend_nice=cfg.serving.frontend_nice,
     )
     server = TritonServer(options, ready_timeout_s=240)
     server.start()

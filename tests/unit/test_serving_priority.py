@@ -65,9 +65,9 @@ def test_a_process_that_is_gone_is_not_an_error() -> None:
 
 
 def test_frontend_nice_defaults_per_backend_and_trtllm_refuses_it() -> None:
-    assert load_build_config(SMOLLM2).frontend_nice == 0
-    assert load_build_config(SMOLLM2, ["serving.frontend_nice=19"]).frontend_nice == 19
-    assert load_build_config(SMOLLM2, ["serving.frontend_nice=0"]).frontend_nice == 0
-    assert load_build_config(TRTLLM).frontend_nice == 0
+    assert load_build_config(SMOLLM2).serving.frontend_nice == 0
+    assert load_build_config(SMOLLM2, ["serving.frontend_nice=19"]).serving.frontend_nice == 19
+    assert load_build_config(SMOLLM2, ["serving.frontend_nice=0"]).serving.frontend_nice == 0
+    assert load_build_config(TRTLLM).serving.frontend_nice == 0
     with pytest.raises(ConfigError, match=r"serving\.frontend_nice=5 with backend=trtllm"):
         load_build_config(TRTLLM, ["serving.frontend_nice=5"])
