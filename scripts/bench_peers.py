@@ -6,7 +6,7 @@ Workloads (greedy, outputs forced to their length):
   - throughput: the first --requests prompts of the shipped prompt set, --output-tokens each; single-stream
     figures use the first --single-requests of them one at a time, batched figures all of them at once;
   - TTFT: synthetic 256-token prompts (real text), outputs uniform in 64-192 tokens (mean 128, as the
-    throughput rows), 4 at concurrency 1, then 48 at concurrency 16.
+    throughput rows): 2 warm-up requests, 4 at concurrency 1, then 96 others at concurrency 16.
 
 Systems: llmpipe per precision (--precisions; in-process, and through Triton when its model repository
 builds and serves), HF transformers (one at a time, padded static batch), llama.cpp f32/Q8_0/Q4_1
@@ -35,7 +35,8 @@ from pipeline.bench.clients.inprocess import InProcessTarget
 from pipeline.bench.load import RunResult, Target, run_closed_loop
 from pipeline.bench.metrics import percentile, ttft
 from pipeline.bench.workloads import BenchRequest, LengthSpec, shipped_prompts, synthetic, tokenize
-from pipeline.errors import PipelineError, run_script
+from pipeline.config import load_build_config
+from pipeline.errors import ConfigError, PipelineError, run_script
 
 # precision -> (build config, overrides); int4 has no config file of its own
 BUILDS: dict[str, tuple[str, list[str]]] = {
@@ -48,6 +49,10 @@ TTFT_PROMPT_TOKENS = 256
 # Varied output lengths let the closed loop's arrivals spread out as they do under real traffic; equal
 # lengths would keep the 16 users in lock step, arriving (and queueing their prefills) together forever.
 TTFT_OUTPUT_TOKENS = LengthSpec.between(64, 192)
+TTFT_SINGLE = 4  # requests one at a time
+# Requests 16 at a time: the p95 leaves out the first 16, so 80 remain (~4 above it) for a steadier tail
+# than 32 gave (its p95 swung from 3.2x to 4.2x a single TTFT between runs of the same code).
+TTFT_LOADED = 6 * BATCH
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -105,13 +110,16 @@ def _ttft_runs(
     target: Target, requests: list[BenchRequest], progress: bool
 ) -> tuple[list[RunResult], dict[str, float]]:
     """TTFT on 256-token prompts, in-process (the target is about the scheduler: chunked context must keep
-    new requests from starving): 4 requests one at a time, then all of them 16 at a time. The target's
-    c=16 p95 is the steady state: it leaves out the first 16 requests, which arrive together at the start
-    (a burst whose last prefill waits for the 15 before it, ~15x a single TTFT on any FCFS engine), so it
-    shows how a request fares when it joins 15 running ones. The p95 over every request is kept too."""
+    new requests from starving): TTFT_SINGLE requests one at a time, then TTFT_LOADED others 16 at a time.
+    The target's c=16 p95 is the steady state: it leaves out the first 16 requests, which arrive together
+    at the start (a burst whose last prefill waits for the 15 before it, ~15x a single TTFT on any FCFS
+    engine), so it shows how a request fares when it joins 15 running ones. The p95 over every request is kept too."""
     extra = {"engine": "llmpipe", "precision": "fp32", "path": "inprocess", "workload": "prompt256"}
-    c1 = _closed(target, requests[:4], 1, extra, progress)
-    c16 = _closed(target, requests, BATCH, extra, progress)
+    # Each phase gets its own prompts: with KV block reuse on, a repeated prompt would skip its prefill.
+    warm, single, loaded = requests[:2], requests[2 : TTFT_SINGLE + 2], requests[TTFT_SINGLE + 2 :]
+    run_closed_loop(target, warm, 1)  # the first 256-token prefill pays for cold caches
+    c1 = _closed(target, single, 1, extra, progress)
+    c16 = _closed(target, loaded, BATCH, extra, progress)
     for run in (c1, c16):
         run.system = f"{target.name} prompt256"
     m1, m16 = c1.metrics(), c16.metrics()
@@ -126,6 +134,20 @@ def _ttft_runs(
         if ttfts:
             keys["llmpipe.fp32.ttft_p95_c16_prompt256_s"] = percentile(ttfts, 95)
     return [c1, c16], keys
+
+
+def _applies_chat_template() -> bool:
+    """Whether the builds' deployments wrap text prompts in the chat template; they must agree."""
+    flags = {
+        p: load_build_config(cfg, overrides).serving.apply_chat_template
+        for p, (cfg, overrides) in BUILDS.items()
+    }
+    if len(set(flags.values())) > 1:
+        raise ConfigError(
+            f"the benchmark's builds disagree on serving.apply_chat_template ({flags})",
+            hint="served rows would prefill other prompts than in-process ones: set it alike in their configs",
+        )
+    return next(iter(flags.values()))
 
 
 def _serve(build: Build) -> Any:
@@ -268,7 +290,12 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.stages.fetch import gguf_file
 
     tokenizer = AutoTokenizer.from_pretrained(base.hf_dir)
-    batch = tokenize(shipped_prompts(output_tokens=args.output_tokens)[: args.requests], tokenizer)
+    # Every system gets the ids the served ensemble computes from the text (its chat template), so the
+    # in-process, served and peer rows prefill the same prompts.
+    chat_template = _applies_chat_template()
+    batch = tokenize(
+        shipped_prompts(output_tokens=args.output_tokens)[: args.requests], tokenizer, chat_template
+    )
     wl = {
         "batch": batch,
         "single": batch[: args.single_requests],
@@ -277,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "prompt256": tokenize(
             synthetic(
-                3 * BATCH,
+                2 + TTFT_SINGLE + TTFT_LOADED,
                 LengthSpec(TTFT_PROMPT_TOKENS),
                 TTFT_OUTPUT_TOKENS,
                 seed=args.seed,
@@ -299,8 +326,9 @@ def main(argv: list[str] | None = None) -> int:
         f"Workload: {len(batch)} shipped prompts ({min(r.num_input_tokens for r in batch)}-"
         f"{max(r.num_input_tokens for r in batch)} tokens), {args.output_tokens} output tokens each (forced), greedy. "
         f"Single-stream rows: the first {len(wl['single'])} prompts one at a time; c=16 / batch 16 rows: all "
-        f"{len(batch)} at once. prompt256 rows: {len(wl['prompt256'])} synthetic {TTFT_PROMPT_TOKENS}-token prompts, "
-        f"{TTFT_OUTPUT_TOKENS.low}-{TTFT_OUTPUT_TOKENS.high} output tokens (uniform). 'decode tok/s per request' = "
+        f"{len(batch)} at once. prompt256 rows: synthetic {TTFT_PROMPT_TOKENS}-token prompts, "
+        f"{TTFT_OUTPUT_TOKENS.low}-{TTFT_OUTPUT_TOKENS.high} output tokens (uniform), after 2 warm-up requests "
+        f"{TTFT_SINGLE} one at a time and {TTFT_LOADED} others 16 at a time. 'decode tok/s per request' = "
         "1 / mean TPOT. Load avg = 1-minute load when the run "
         "started (2 cores: above 2 means other processes competed).",
         f"Wall time {meta['wall_s']} s. CPU threads per system: {args.threads or 'default (all cores)'}.",

@@ -100,26 +100,43 @@ class EngineMetricsExporter:
         self.spec_steps = self._families[SPEC_STEPS_FAMILY].Metric(labels=labels)
         self.spec_rate = self._families[SPEC_RATE_FAMILY].Metric(labels=labels)
         self._num_draft_tokens = self._num_accepted_draft_tokens = 0
+        self._unreported_tokens = 0
+        self._gauge_values: dict[int, float] = {}  # id(gauge) -> the value last set
         self.requests["max"].set(max_batch_size)
         self.kv_blocks["tokens_per"].set(tokens_per_block)
 
     def update_gauges(self, snapshot: MetricsSnapshot) -> None:
-        self.requests["waiting"].set(snapshot.num_requests_waiting)
-        self.requests["scheduled"].set(snapshot.num_requests_running)
-        self.requests["active"].set(snapshot.num_requests_waiting + snapshot.num_requests_running)
-        self.kv_blocks["used"].set(snapshot.num_kv_blocks_used)
-        self.kv_blocks["free"].set(snapshot.num_kv_blocks_free)
-        self.kv_blocks["max"].set(snapshot.num_kv_blocks_total)
+        """Called every stats period: also adds the output tokens counted since the last call."""
+        self._report_tokens()
+        values = (
+            (self.requests["waiting"], snapshot.num_requests_waiting),
+            (self.requests["scheduled"], snapshot.num_requests_running),
+            (self.requests["active"], snapshot.num_requests_waiting + snapshot.num_requests_running),
+            (self.kv_blocks["used"], snapshot.num_kv_blocks_used),
+            (self.kv_blocks["free"], snapshot.num_kv_blocks_free),
+            (self.kv_blocks["max"], snapshot.num_kv_blocks_total),
+        )
+        for gauge, value in values:
+            if self._gauge_values.get(id(gauge)) != value:  # unchanged values cost no IPC
+                gauge.set(value)
+                self._gauge_values[id(gauge)] = value
 
     def observe(self, ttft: float | None, itl: Sequence[float], num_tokens: int) -> None:
         if ttft is not None:
             self.ttft.observe(ttft)
         for value in itl:
             self.itl.observe(value)
-        if num_tokens:
-            self.tokens.increment(num_tokens)
+        # NOTE: each metric update is an IPC round trip to tritonserver: the token counter is added up here
+        # and sent once per stats period, or when a request finishes.
+        self._unreported_tokens += num_tokens
+
+    def _report_tokens(self) -> None:
+        if self._unreported_tokens:
+            self.tokens.increment(self._unreported_tokens)
+            self._unreported_tokens = 0
 
     def count_finished(self, reason: str | None) -> None:
+        self._report_tokens()  # a scrape that sees the request finished also sees all of its tokens
         metric = self.finished.get(reason or "error")
         if metric is not None:
             metric.increment(1)

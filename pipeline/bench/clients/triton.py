@@ -37,6 +37,7 @@ class ModelInputs:
 
     names: frozenset[str]
     batched: bool  # max_batch_size > 0: every tensor carries a leading batch dim of 1
+    outputs: frozenset[str] = frozenset()  # the model's output names
 
     @property
     def reports_drafts(self) -> bool:
@@ -129,7 +130,8 @@ class TritonGrpcTarget:
         finally:
             client.close()
         names = frozenset(i["name"] for i in config.get("input", []))
-        return ModelInputs(names, int(config.get("max_batch_size", 0)) > 0)
+        outputs = frozenset(o["name"] for o in config.get("output", []))
+        return ModelInputs(names, int(config.get("max_batch_size", 0)) > 0, outputs)
 
     def _session(self) -> tuple[Any, queue.SimpleQueue[tuple[Any, Any]]]:
         """This thread's client with an open stream; one request at a time flows through it."""
@@ -175,11 +177,22 @@ class TritonGrpcTarget:
             tensors.append(self._tensor(PERF_METRICS_INPUT, np.array([True]), "BOOL"))
         return tensors
 
+    def _requested_outputs(self) -> list[Any]:
+        """What a client reads: the text (or ids) and what the token count and draft counts need. The server
+        then serializes, and this process parses, 2-4 tensors per response instead of every output."""
+        names = ["output_ids"] if self.model == "tensorrt_llm" else ["text_output", "output_log_probs"]
+        names += ["total_draft_tokens", "total_accepted_draft_tokens"]
+        return [self._grpc.InferRequestedOutput(n) for n in names if n in self.inputs.outputs]
+
     def stream(self, request: BenchRequest) -> Iterator[int | DraftCounts]:
         client, responses = self._session()
         request_id = f"bench-{next(self._ids)}"
         client.async_stream_infer(
-            self.model, self._build(request), request_id=request_id, enable_empty_final_response=True
+            self.model,
+            self._build(request),
+            outputs=self._requested_outputs(),
+            request_id=request_id,
+            enable_empty_final_response=True,
         )
         while True:
             try:
@@ -258,7 +271,8 @@ class TritonHttpTarget:
             )
         config = json.loads(body)
         names = frozenset(i["name"] for i in config.get("input", []))
-        return ModelInputs(names, int(config.get("max_batch_size", 0)) > 0)
+        outputs = frozenset(o["name"] for o in config.get("output", []))
+        return ModelInputs(names, int(config.get("max_batch_size", 0)) > 0, outputs)
 
     def stream(self, request: BenchRequest) -> Iterator[int | DraftCounts]:
         if request.prompt is None:
