@@ -40,17 +40,12 @@ class RequestState:
         tokenizer: Any | None = None,
         arrival_time: float | None = None,
         timeout_s: float | None = None,
-        cancel_check_period_s: float = 0.0,
     ) -> None:
         self.engine_id = engine_id
         self.request = request
         self.sender = sender
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.deadline = None if timeout_s is None else self.arrival_time + timeout_s
-        # NOTE: asking Triton whether a request is cancelled is an IPC round trip (~0.1 ms); the engine
-        # polls before every step, so it is rate-limited (TensorRT-LLM: cancellation_check_period_ms).
-        self.cancel_check_period_s = cancel_check_period_s
-        self._next_cancel_check = 0.0
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.num_sent = 0
@@ -64,17 +59,8 @@ class RequestState:
             else None
         )
 
-    def is_cancelled(self) -> bool:
-        """Polled by the engine before each step: the client went away, or the request outlived its limit."""
-        now = time.monotonic()
-        if self.timed_out(now):
-            return True
-        if now < self._next_cancel_check:
-            return False
-        self._next_cancel_check = now + self.cancel_check_period_s
-        return bool(self.sender.is_cancelled())
-
     def timed_out(self, now: float | None = None) -> bool:
+        """Polled by the engine before each step (a local check: no IPC on the engine thread)."""
         return self.deadline is not None and (time.monotonic() if now is None else now) > self.deadline
 
     def _latency(self, reply: Reply, num_new: int, now: float) -> None:

@@ -2,10 +2,12 @@
 
 `execute` only validates and enqueues: each request goes to the EngineThread, whose outputs land on one
 responder thread that sends every response (and updates every metric: see metrics.py for why one
-thread). Cancellation is checked by the engine before each step (`response_sender.is_cancelled()`), and a
-`stop=true` request aborts the in-flight request that has the same Triton request id; either way the
-request's KV blocks are freed at once. The same code serves decoupled (streaming) and non-decoupled
-deployments: the latter answers each request with exactly one response through its response sender.
+thread). The responder also asks Triton whether clients went away (`response_sender.is_cancelled()`, every
+cancellation_check_period_ms: an IPC round trip the engine thread need not wait for) and aborts those
+requests; a `stop=true` request aborts the in-flight request that has the same Triton request id; either
+way the request's KV blocks are freed within a step or two. The same code serves decoupled (streaming) and
+non-decoupled deployments: the latter answers each request with exactly one response through its response
+sender.
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ from pipeline.serving.streams import RequestState
 
 POLICIES = ("guaranteed_no_evict", "max_utilization")
 _SHUTDOWN = object()
+# The shortest pause of the responder between cancellation checks (cancellation_check_period_ms=0 means
+# "as often as possible"; this keeps that from spinning a core).
+MIN_CANCEL_CHECK_PERIOD_S = 0.005
+UNSENT_STEPS = 4  # engine outputs the responder may have waiting, in steps of max_batch_size requests
 
 
 @dataclass(frozen=True)
@@ -132,7 +138,10 @@ class TorchEngineModel:
         self._states: dict[str, RequestState] = {}  # engine request id -> state
         self._by_triton_id: dict[str, str] = {}  # client's request id -> engine request id (for `stop`)
         self._triton_ids: dict[str, str] = {}  # the reverse
-        self._outputs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        # Bounded: a full queue blocks the engine thread in its output callback, so the engine stays within
+        # a few steps of what reached the clients. Unbounded, a fast engine (the tiny test model) ran hundreds
+        # of tokens ahead of the responder, and a stream its client cancelled ran to its length unseen.
+        self._outputs: queue.Queue[Any] = queue.Queue(maxsize=UNSENT_STEPS * engine.config.max_batch_size)
         self.engine = EngineThread(engine, max_pending=self.settings.max_pending_requests)
         self._responder = threading.Thread(target=self._respond_loop, name="llmpipe-responder", daemon=True)
         self._responder.start()
@@ -172,7 +181,6 @@ class TorchEngineModel:
             sender,
             self.tokenizer,
             timeout_s=self.settings.request_timeout_s,
-            cancel_check_period_s=self.settings.cancellation_check_period_s,
         )
         with self._lock:
             self._states[engine_id] = state
@@ -185,7 +193,7 @@ class TorchEngineModel:
                 parsed.prompt_ids,
                 parsed.params,
                 callback=self._outputs.put,
-                is_cancelled=state.is_cancelled,
+                is_cancelled=state.timed_out,
             )
         except Exception as err:
             self._forget(engine_id)
@@ -217,11 +225,13 @@ class TorchEngineModel:
     # --- responder thread: every send and every metric update happens here ---
 
     def _respond_loop(self) -> None:
-        period = self.settings.stats_period_s
-        next_stats = 0.0
+        stats_period = self.settings.stats_period_s
+        cancel_period = max(self.settings.cancellation_check_period_s, MIN_CANCEL_CHECK_PERIOD_S)
+        next_stats = next_cancel_check = time.monotonic()
         while True:
+            due = min(next_stats, next_cancel_check) if self._states else next_stats
             try:
-                item = self._outputs.get(timeout=period)
+                item = self._outputs.get(timeout=max(due - time.monotonic(), 0.0))
             except queue.Empty:
                 item = None
             if item is _SHUTDOWN:
@@ -229,10 +239,27 @@ class TorchEngineModel:
             if item is not None:
                 self._respond(item)
             now = time.monotonic()
+            if now >= next_cancel_check:
+                self._abort_cancelled()
+                next_cancel_check = now + cancel_period
             if now >= next_stats:
                 self.metrics.update_gauges(self.engine.stats())
-                next_stats = now + period
+                next_stats = now + stats_period
         self.metrics.update_gauges(self.engine.stats())
+
+    def _abort_cancelled(self) -> None:
+        """Abort the requests whose clients went away. Each question is an IPC round trip to tritonserver,
+        so it is asked here and not on the engine thread, whose steps would wait for the answers."""
+        with self._lock:
+            states = list(self._states.values())
+        for state in states:
+            try:
+                cancelled = state.sender.is_cancelled()
+            except Exception as err:  # a request Triton already released: its final response went out
+                tu.log_error(f"could not check request {state.engine_id} for cancellation: {err}")
+                continue
+            if cancelled:
+                self.engine.abort(state.engine_id)
 
     def _respond(self, output: RequestOutput) -> None:
         with self._lock:

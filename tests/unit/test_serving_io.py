@@ -252,6 +252,6 @@ def test_errors_and_timeouts_become_error_replies() -> None:
     )
     assert failed.final and failed.error and "boom" in failed.error
     state = RequestState("r", request, stub_pb_utils.ResponseSender(), arrival_time=0.0, timeout_s=1.0)
-    assert state.is_cancelled()  # past its deadline: the engine aborts it
+    assert state.timed_out()  # past its deadline: the engine aborts it
     timed_out = state.on_output(_output([], True, "abort"))
     assert timed_out.error and "timed out after 1s" in timed_out.error
