@@ -49,6 +49,7 @@ TTFT_PROMPT_TOKENS = 256
 # Varied output lengths let the closed loop's arrivals spread out as they do under real traffic; equal
 # lengths would keep the 16 users in lock step, arriving (and queueing their prefills) together forever.
 TTFT_OUTPUT_TOKENS = LengthSpec.between(64, 192)
+TTFT_WARMUP = 2  # requests before any is measured: the first 256-token prefill pays for cold caches
 TTFT_SINGLE = 4  # requests one at a time
 # Requests 16 at a time: the p95 leaves out the first 16, so 80 remain (~4 above it) for a steadier tail
 # than 32 gave (its p95 swung from 3.2x to 4.2x a single TTFT between runs of the same code).
@@ -116,8 +117,9 @@ def _ttft_runs(
     engine), so it shows how a request fares when it joins 15 running ones. The p95 over every request is kept too."""
     extra = {"engine": "llmpipe", "precision": "fp32", "path": "inprocess", "workload": "prompt256"}
     # Each phase gets its own prompts: with KV block reuse on, a repeated prompt would skip its prefill.
-    warm, single, loaded = requests[:2], requests[2 : TTFT_SINGLE + 2], requests[TTFT_SINGLE + 2 :]
-    run_closed_loop(target, warm, 1)  # the first 256-token prefill pays for cold caches
+    single_end = TTFT_WARMUP + TTFT_SINGLE
+    warm, single, loaded = requests[:TTFT_WARMUP], requests[TTFT_WARMUP:single_end], requests[single_end:]
+    run_closed_loop(target, warm, 1)
     c1 = _closed(target, single, 1, extra, progress)
     c16 = _closed(target, loaded, BATCH, extra, progress)
     for run in (c1, c16):
@@ -304,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "prompt256": tokenize(
             synthetic(
-                2 + TTFT_SINGLE + TTFT_LOADED,
+                TTFT_WARMUP + TTFT_SINGLE + TTFT_LOADED,
                 LengthSpec(TTFT_PROMPT_TOKENS),
                 TTFT_OUTPUT_TOKENS,
                 seed=args.seed,
@@ -327,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{max(r.num_input_tokens for r in batch)} tokens), {args.output_tokens} output tokens each (forced), greedy. "
         f"Single-stream rows: the first {len(wl['single'])} prompts one at a time; c=16 / batch 16 rows: all "
         f"{len(batch)} at once. prompt256 rows: synthetic {TTFT_PROMPT_TOKENS}-token prompts, "
-        f"{TTFT_OUTPUT_TOKENS.low}-{TTFT_OUTPUT_TOKENS.high} output tokens (uniform), after 2 warm-up requests "
+        f"{TTFT_OUTPUT_TOKENS.low}-{TTFT_OUTPUT_TOKENS.high} output tokens (uniform), after {TTFT_WARMUP} warm-up requests "
         f"{TTFT_SINGLE} one at a time and {TTFT_LOADED} others 16 at a time. 'decode tok/s per request' = "
         "1 / mean TPOT. Load avg = 1-minute load when the run "
         "started (2 cores: above 2 means other processes competed).",

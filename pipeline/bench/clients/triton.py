@@ -39,6 +39,15 @@ class ModelInputs:
     batched: bool  # max_batch_size > 0: every tensor carries a leading batch dim of 1
     outputs: frozenset[str] = frozenset()  # the model's output names
 
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> ModelInputs:
+        """From a model config as Triton returns it in JSON."""
+        return cls(
+            frozenset(i["name"] for i in config.get("input", [])),
+            int(config.get("max_batch_size", 0)) > 0,
+            frozenset(o["name"] for o in config.get("output", [])),
+        )
+
     @property
     def reports_drafts(self) -> bool:
         return PERF_METRICS_INPUT in self.names
@@ -115,6 +124,7 @@ class TritonGrpcTarget:
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self.inputs = self._probe()
+        self._requested_outputs = self._outputs_to_request()
 
     def _probe(self) -> ModelInputs:
         client = self._grpc.InferenceServerClient(self.url)
@@ -129,9 +139,7 @@ class TritonGrpcTarget:
             ) from None
         finally:
             client.close()
-        names = frozenset(i["name"] for i in config.get("input", []))
-        outputs = frozenset(o["name"] for o in config.get("output", []))
-        return ModelInputs(names, int(config.get("max_batch_size", 0)) > 0, outputs)
+        return ModelInputs.from_config(config)
 
     def _session(self) -> tuple[Any, queue.SimpleQueue[tuple[Any, Any]]]:
         """This thread's client with an open stream; one request at a time flows through it."""
@@ -177,7 +185,7 @@ class TritonGrpcTarget:
             tensors.append(self._tensor(PERF_METRICS_INPUT, np.array([True]), "BOOL"))
         return tensors
 
-    def _requested_outputs(self) -> list[Any]:
+    def _outputs_to_request(self) -> list[Any]:
         """What a client reads: the text (or ids) and what the token count and draft counts need. The server
         then serializes, and this process parses, 2-4 tensors per response instead of every output."""
         names = ["output_ids"] if self.model == "tensorrt_llm" else ["text_output", "output_log_probs"]
@@ -190,7 +198,7 @@ class TritonGrpcTarget:
         client.async_stream_infer(
             self.model,
             self._build(request),
-            outputs=self._requested_outputs(),
+            outputs=self._requested_outputs,
             request_id=request_id,
             enable_empty_final_response=True,
         )
@@ -270,9 +278,7 @@ class TritonHttpTarget:
                 f"(HTTP {response.status}: {body[:200].decode(errors='replace')})"
             )
         config = json.loads(body)
-        names = frozenset(i["name"] for i in config.get("input", []))
-        outputs = frozenset(o["name"] for o in config.get("output", []))
-        return ModelInputs(names, int(config.get("max_batch_size", 0)) > 0, outputs)
+        return ModelInputs.from_config(config)
 
     def stream(self, request: BenchRequest) -> Iterator[int | DraftCounts]:
         if request.prompt is None:
