@@ -9,7 +9,7 @@ Workloads (greedy, outputs forced to their length):
     throughput rows): 2 warm-up requests, 4 at concurrency 1, then 96 others at concurrency 16.
 
 Systems: llmpipe per precision (--precisions; in-process, and through Triton when its model repository
-builds and serves), HF transformers (one at a time, padded static batch), llama.cpp f32/Q8_0/Q4_1
+builds and serves), HF transformers (one at a time, padded static batch), llama.cpp f32/bf16/Q8_0/Q4_1
 (llama-cpp-python; continuous batching through its low-level batch API) and CTranslate2 float32/int8.
 Peers that are not installed are reported as such (`make bench-deps` installs them).
 
@@ -41,6 +41,7 @@ from pipeline.errors import ConfigError, PipelineError, run_script
 # precision -> (build config, overrides); int4 has no config file of its own
 BUILDS: dict[str, tuple[str, list[str]]] = {
     "fp32": ("build_configs/smollm2-135m.yaml", []),
+    "bf16": ("build_configs/smollm2-135m-bf16.yaml", []),
     "int8": ("build_configs/smollm2-135m-int8.yaml", []),
     "int4": ("build_configs/smollm2-135m.yaml", ["name=smollm2-135m-int4", "quantization.mode=int4_wo"]),
 }
@@ -60,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--precisions", default="fp32,int8,int4")
+    parser.add_argument("--precisions", default="fp32,bf16,int8,int4")
     parser.add_argument("--peers", default="hf,llamacpp,ct2", help="as `llmpipe bench --compare`")
     parser.add_argument("--requests", type=int, default=BATCH, help="requests per batched run")
     parser.add_argument("--single-requests", type=int, default=4, help="requests run one at a time")

@@ -28,6 +28,7 @@ SMOLLM2 = "build_configs/smollm2-135m.yaml"
 # label -> (build config, overrides)
 MODES: dict[str, tuple[str, list[str]]] = {
     "fp32": (SMOLLM2, []),
+    "bf16": ("build_configs/smollm2-135m-bf16.yaml", []),
     "int8_wo": ("build_configs/smollm2-135m-int8.yaml", []),
     "int8_wo activation-aware": ("build_configs/smollm2-135m-int8-awq.yaml", []),
     "int4_wo g128": (SMOLLM2, ["name=smollm2-135m-int4", "quantization.mode=int4_wo"]),

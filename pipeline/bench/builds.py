@@ -33,7 +33,10 @@ class Build:
 
     @property
     def precision(self) -> str:
-        return PRECISION_OF_MODE.get(self.cfg.quantization.mode, self.cfg.quantization.mode)
+        mode = self.cfg.quantization.mode
+        if mode == "none" and self.cfg.dtype == "bfloat16":
+            return "bf16"
+        return PRECISION_OF_MODE.get(mode, mode)
 
 
 def ensure_built(config: str | Path, overrides: Sequence[str] = (), until: str = "engine") -> Build:

@@ -21,7 +21,7 @@ from pipeline.errors import ConfigError
 # --compare names -> (peer family, precisions)
 PEER_FAMILIES: dict[str, tuple[str, ...]] = {
     "hf": ("fp32",),
-    "llamacpp": ("f32", "q8_0", "q4_1"),
+    "llamacpp": ("f32", "bf16", "q8_0", "q4_1"),
     "ct2": ("float32", "int8"),
 }
 

@@ -16,11 +16,12 @@ from typing import Literal
 from pipeline.bench.load import RunResult
 
 Status = Literal["met", "missed", "not measured"]
-OURS = ("fp32", "int8", "int4")
+OURS = ("fp32", "bf16", "int8", "int4")
 # each peer's batched run with 16 requests in flight (HF: a padded static batch of 16)
 PEER_BATCHED = (
     "hf.fp32.c16_tok_s",
     "llamacpp.f32.c16_tok_s",
+    "llamacpp.bf16.c16_tok_s",
     "llamacpp.q8_0.c16_tok_s",
     "llamacpp.q4_1.c16_tok_s",
     "ct2.float32.c16_tok_s",

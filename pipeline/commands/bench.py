@@ -118,7 +118,7 @@ _URL = re.compile(r"^([a-z]+://)?[\w.-]+:\d+/?$")
 @click.option(
     "--gguf",
     type=click.Path(dir_okay=False, path_type=Path),
-    help="GGUF for the llama.cpp peers (f32/Q8_0 are made from it). Default: the config's GGUF source.",
+    help="GGUF for the llama.cpp peers (f32/bf16/Q8_0 are made from it). Default: the config's GGUF source.",
 )
 @click.option(
     "--precision",

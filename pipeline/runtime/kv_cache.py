@@ -68,8 +68,9 @@ def num_kv_blocks(
 
 
 class KVCache:
-    """`dtype` is the compute dtype; with `int8` the values are int8 and `k_scales`/`v_scales` hold the
-    scales (otherwise each layer's entry is None)."""
+    """`dtype` is the element dtype (the compute dtype, or bf16 under fp32 compute for a bf16 engine on
+    CPU); with `int8` the values are int8 and `k_scales`/`v_scales` hold the scales (otherwise each layer's
+    entry is None)."""
 
     def __init__(
         self,

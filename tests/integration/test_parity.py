@@ -217,9 +217,11 @@ def test_smollm2_parity(smollm2_hf_dir: Path, tmp_path: Path) -> None:
     assert_matches(run_engine(runner, case, config.eos_token_id, enable_chunked_context=True), case)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 5])
-def test_kernel_attention_equals_torch_attention(window: int | None) -> None:
-    """Mixed batch (a fresh prompt, a chunk after cached context, decodes) over shuffled blocks, GQA 6:2."""
+def test_kernel_attention_equals_torch_attention(window: int | None, cache_dtype: torch.dtype) -> None:
+    """Mixed batch (a fresh prompt, a chunk after cached context, decodes) over shuffled blocks, GQA 6:2.
+    A bf16 cache (a bf16 engine's, under fp32 compute): both paths round the new K/V the same way."""
     config = model_config_from_dict(
         {
             "architecture": "LlamaForCausalLM", "dtype": "float32", "vocab_size": 10, "hidden_size": 48,
@@ -243,7 +245,7 @@ def test_kernel_attention_equals_torch_attention(window: int | None) -> None:
     cos_sin = rotary_cos_sin(config, 256)
     outputs = []
     for use_kernel in (True, False):
-        cache = KVCache(config, num_blocks, block_size, torch.float32, torch.device("cpu"), zero=True)
+        cache = KVCache(config, num_blocks, block_size, cache_dtype, torch.device("cpu"), zero=True)
         cache.storage.copy_(torch.randn(cache.storage.shape, generator=torch.Generator().manual_seed(1)))
         meta = build_attention_metadata(chunks, block_size, torch.device("cpu"), padded=not use_kernel,
                                         sliding_window=window)  # fmt: skip
@@ -255,8 +257,9 @@ def test_kernel_attention_equals_torch_attention(window: int | None) -> None:
         )
         attention.begin_step(meta)
         outputs.append((attention(0, qkv, meta), cache.storage.clone()))
-    assert torch.allclose(outputs[0][0], outputs[1][0], atol=1e-5)
-    assert torch.allclose(outputs[0][1], outputs[1][1], atol=1e-6)  # same K/V written to the same slots
+    (kernel_out, kernel_cache), (torch_out, torch_cache) = outputs
+    assert torch.allclose(kernel_out, torch_out, atol=1e-5)
+    assert torch.allclose(kernel_cache.float(), torch_cache.float(), atol=1e-6)  # the same K/V, same slots
 
 
 def test_mistral_sliding_window(tmp_path_factory: pytest.TempPathFactory) -> None:

@@ -81,7 +81,8 @@ def convert(cfg: BuildConfig, hf_dir: Path, out_dir: Path) -> dict[str, Any]:
 
 
 def resolve_dtype(cfg: BuildConfig, hf_config: dict[str, Any]) -> str:
-    """`auto` is fp32 on CPU (bf16/fp16 matmuls are unusably slow there) and the model's dtype on CUDA."""
+    """`auto` is fp32 on CPU and the model's dtype on CUDA: bf16 is faster than fp32 only on CPUs with bf16
+    dot products (AVX512_BF16), so a CPU build asks for it (`dtype: bfloat16`)."""
     if cfg.dtype != "auto":
         return cfg.dtype
     device = cfg.engine.device

@@ -30,7 +30,7 @@ from pipeline.errors import MissingArtifactError, PipelineError
 
 INSTALL_HINT = "make bench-deps   (or: .venv/bin/pip install llama-cpp-python==0.3.36 torch==2.13.0)"
 # llama_ftype values (llama.h) for the versions made from the shipped file
-FTYPES = {"f32": 0, "q4_1": 3, "q8_0": 7}
+FTYPES = {"f32": 0, "bf16": 32, "q4_1": 3, "q8_0": 7}
 _TOKENS_PER_STEP = 512  # llama_decode's logical batch: decode tokens first, prompt chunks fill the rest
 
 

@@ -71,6 +71,7 @@ class PagedAttentionKernel:
             i64,
             i64,
             ctypes.c_float,
+            i64,
         ]
         fn.restype = ctypes.c_int
         self._fn = fn
@@ -88,8 +89,8 @@ class PagedAttentionKernel:
     ) -> None:
         """Pointers are `tensor.data_ptr()`s; the scales are None for a fp32 cache, the int8 cache's scale
         tensors otherwise. step_args are the C function's remaining arguments (cos_sin, positions, slots,
-        block_tables, bt_stride, token_seq, T, H, KV, D, block_size, window, max_context, scale), the same
-        for every layer of a step."""
+        block_tables, bt_stride, token_seq, T, H, KV, D, block_size, window, max_context, scale, cache_bf16),
+        the same for every layer of a step."""
         status = self._fn(qkv, qkv_stride, k_cache, v_cache, k_scales, v_scales, out, *step_args)
         if status != 0:
             raise RuntimeError(

@@ -27,13 +27,17 @@ KernelArgs = tuple[list[torch.Tensor | None], list[torch.Tensor | None], list[in
 
 def _runs_on_kernel(linear: Linear) -> bool:
     if isinstance(linear, DenseLinear):
-        b = linear.bias
-        return fp32_kernel_weight(linear.weight) and (b is None or b.dtype == linear.weight.dtype)
+        w, b = linear.weight, linear.bias
+        bf16 = w.dtype == torch.bfloat16 and w.is_cpu and w.is_contiguous()
+        return (fp32_kernel_weight(w) or bf16) and (b is None or b.dtype == torch.float32)
     return isinstance(linear, QuantLinear) and linear.qweight.is_cpu
 
 
 def _max_rows(linear: Linear) -> int:
-    return linear.max_kernel_rows if isinstance(linear, QuantLinear) else MAX_KERNEL_ROWS["fp32"]
+    if isinstance(linear, QuantLinear):
+        return linear.max_kernel_rows
+    assert isinstance(linear, DenseLinear)
+    return MAX_KERNEL_ROWS["bf16" if linear.weight.dtype == torch.bfloat16 else "fp32"]
 
 
 class FusedDecoder:

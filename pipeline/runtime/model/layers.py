@@ -15,7 +15,7 @@ from pipeline.runtime.engine_config import ROPE_TYPES, ModelConfig, rope_type
 from pipeline.runtime.kv_cache import KVCache
 from pipeline.runtime.kv_quant import dequantize_kv, quantize_kv
 from pipeline.runtime.model.cpu_kernels import AddRMSNormKernel, PagedAttentionKernel
-from pipeline.runtime.quant.linear import fp32_linear
+from pipeline.runtime.quant.linear import bf16_linear, fp32_linear
 
 
 class Linear(Protocol):
@@ -41,6 +41,8 @@ class DenseLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # Few-row fp32 CPU inputs (decode) take the hand-written GEMV, ~20% faster than MKL's here and
         # ~40% on the lm_head; everything else is F.linear.
+        if self.weight.dtype == torch.bfloat16 and x.dtype == torch.float32:
+            return bf16_linear(x, self.weight, self.bias)
         return fp32_linear(x, self.weight, self.bias)
 
 
@@ -153,6 +155,7 @@ class KernelAttention:
             c.sliding_window or 0,
             meta.max_context_len,
             c.head_dim**-0.5,
+            int(self.kv_cache.storage.dtype == torch.bfloat16),
         )
 
     def __call__(self, layer: int, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -219,9 +222,9 @@ class TorchAttention:
         [S, max_blocks * block_size, KV, D] in new's dtype."""
         bs, kv_heads, d = self.kv_cache.block_size, cache.shape[1], cache.shape[2]
         shape = (block_tables.shape[0], block_tables.shape[1] * bs, kv_heads, d)
-        if scales is None:
-            cache.index_copy_(0, slot_mapping, new)
-            return cache.view(-1, bs, kv_heads, d)[block_tables].view(shape)
+        if scales is None:  # a cache in the compute dtype or in bf16 under fp32 compute
+            cache.index_copy_(0, slot_mapping, new.to(cache.dtype))
+            return cache.view(-1, bs, kv_heads, d)[block_tables].view(shape).to(new.dtype)
         q, scale = quantize_kv(new)
         cache.index_copy_(0, slot_mapping, q)
         scales.index_copy_(0, slot_mapping, scale)

@@ -59,13 +59,15 @@ def make_linear(
     *,
     device: torch.device,
     dtype: torch.dtype,
+    weight_dtype: torch.dtype | None = None,
 ) -> Linear:
     """The linear layer stored under `prefix` (e.g. transformer.layers.0.attention.qkv): dense from
     `{prefix}.weight` (+ `.bias`), or quantized from `{prefix}.qweight/.scales/.zeros` (+ `.bias`) by
-    pipeline.runtime.quant.linear.QuantLinear with the scheme that `quant.quant_algo` names."""
+    pipeline.runtime.quant.linear.QuantLinear with the scheme that `quant.quant_algo` names. A dense weight
+    is kept in `weight_dtype` (default `dtype`, the compute dtype, which the bias always takes)."""
     bias_name = f"{prefix}.bias"
     if f"{prefix}.qweight" not in tensors:
-        weight = tensors[f"{prefix}.weight"].to(device=device, dtype=dtype).contiguous()
+        weight = tensors[f"{prefix}.weight"].to(device=device, dtype=weight_dtype or dtype).contiguous()
         bias = tensors[bias_name].to(device=device, dtype=dtype) if bias_name in tensors else None
         return DenseLinear(weight, bias)
     if quant.quant_algo is None:
@@ -135,7 +137,14 @@ def check_dense_shapes(tensors: Mapping[str, torch.Tensor], model: ModelConfig, 
             raise IntegrityError(f"{origin}: {name} has shape {actual}, config.json implies {shape}")
 
 
-def load_llama_weights(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> LlamaWeights:
+def load_llama_weights(
+    config: EngineConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    layer_weight_dtype: torch.dtype | None = None,
+) -> LlamaWeights:
+    """The weights in `dtype`; the decoder layers' dense linear weights in `layer_weight_dtype` if given (the
+    embedding and lm_head keep `dtype`: the greedy head's exact logits read fp32)."""
     path: Path = config.weights_path
     if not path.is_file():
         raise MissingArtifactError(f"{path} not found", hint="rebuild the engine (`llmpipe build`)")
@@ -147,8 +156,8 @@ def load_llama_weights(config: EngineConfig, device: torch.device, dtype: torch.
         def vector(name: str) -> torch.Tensor:
             return tensors[name].to(device=device, dtype=dtype).contiguous()
 
-        def linear(prefix: str) -> Linear:
-            return make_linear(prefix, tensors, quant, device=device, dtype=dtype)
+        def linear(prefix: str, weight_dtype: torch.dtype | None = None) -> Linear:
+            return make_linear(prefix, tensors, quant, device=device, dtype=dtype, weight_dtype=weight_dtype)
 
         layers = []
         for i in range(model.num_hidden_layers):
@@ -156,11 +165,11 @@ def load_llama_weights(config: EngineConfig, device: torch.device, dtype: torch.
             layers.append(
                 LayerWeights(
                     input_norm=vector(p + "input_layernorm.weight"),
-                    qkv=linear(p + "attention.qkv"),
-                    dense=linear(p + "attention.dense"),
+                    qkv=linear(p + "attention.qkv", layer_weight_dtype),
+                    dense=linear(p + "attention.dense", layer_weight_dtype),
                     post_norm=vector(p + "post_layernorm.weight"),
-                    gate_up=linear(p + "mlp.gate_up"),
-                    proj=linear(p + "mlp.proj"),
+                    gate_up=linear(p + "mlp.gate_up", layer_weight_dtype),
+                    proj=linear(p + "mlp.proj", layer_weight_dtype),
                 )
             )
         lm_head = linear("lm_head")

@@ -19,6 +19,7 @@ from pipeline.runtime.quant.kernels import kernels_available, kernels_unavailabl
 __all__ = [
     "QuantLinear",
     "Scheme",
+    "bf16_linear",
     "fp32_kernel_weight",
     "fp32_linear",
     "kernels_available",
@@ -32,7 +33,7 @@ SCHEMES: tuple[Scheme, ...] = ("int8", "int4")
 # faster. Measured with scripts/bench_quant_kernels.py on SmolLM2 shapes, 2 threads (benchmarks/NOTES.md):
 # at 128 rows int8 still ties or leads, int4 already loses on 3 of the 4 layer shapes; the fp32 GEMV ties
 # torch at 64 rows on 576x1536 and loses at 128.
-MAX_KERNEL_ROWS: dict[str, int] = {"fp32": 32, "int8": 128, "int4": 64}
+MAX_KERNEL_ROWS: dict[str, int] = {"fp32": 32, "bf16": 32, "int8": 128, "int4": 64}
 
 
 class QuantLinear(torch.nn.Module):
@@ -149,6 +150,18 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if x.dim() > 2:  # the row count decides the path: flatten leading dims
         return fp32_linear(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
+
+
+def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 x @ bf16 weight.T (+ fp32 bias) -> fp32, the inputs rounded to bf16 like the decoder kernel's.
+    oneDNN's bf16 GEMM where the CPU has bf16 dot products (~2.3x fp32 here; it rounds its outputs to bf16
+    too); elsewhere torch's bf16 matmul is ~100x slower than fp32 (MODELS.md), so the weights are widened."""
+    rounded = x.to(torch.bfloat16)
+    if not weight.is_cpu or kernels.cpu_has_bf16_dot():
+        y = F.linear(rounded, weight).to(x.dtype)
+    else:
+        y = F.linear(rounded.to(x.dtype), weight.to(x.dtype))
+    return y if bias is None else y + bias
 
 
 def fp32_kernel_weight(weight: torch.Tensor) -> bool:

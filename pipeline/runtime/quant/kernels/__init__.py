@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from pipeline.runtime.quant.kernels.build import load_library
+from pipeline.runtime.quant.kernels.build import BF16_CPU_FLAG, cpu_flags, load_library
 
 _OP_NAMES = ("gemm_f32", "gemm_int8", "gemm_int4", "dequant_int8", "dequant_int4", "greedy_argmax")
 
@@ -42,6 +42,12 @@ def _op(name: str) -> Any:
 def kernels_available() -> bool:
     """True when the compiled kernels can run here (builds them on the first call)."""
     return not _load()[1]
+
+
+def cpu_has_bf16_dot() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512_BF16 or AMX), which torch's bf16 GEMMs need to be
+    faster than fp32 ones rather than ~100x slower."""
+    return BF16_CPU_FLAG in cpu_flags() or "amx_bf16" in cpu_flags()
 
 
 def kernels_unavailable_reason() -> str:

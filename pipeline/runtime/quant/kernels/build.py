@@ -29,13 +29,18 @@ SOURCES = tuple(HERE / name for name in ("qgemv.cpp", "decoder.cpp", "greedy_hea
 HEADERS = tuple(HERE / name for name in ("gemm_blocks.h", "decoder.h", "greedy_head.h"))
 KERNEL_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-std=c++20")
 # Instruction sets the kernels are built for, picked from this CPU's flags (the flags are part of the cache key,
-# so hosts sharing a cache each get their own build). AVX-512 widens the vectors and doubles the registers.
+# so hosts sharing a cache each get their own build). AVX-512 widens the vectors and doubles the registers;
+# AVX512_BF16 adds the bf16 dot product that bfloat16 engines' GEMMs use (twice the fp32 FMA's work per op).
+_AVX512 = ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
 ISA_FLAGS = {
     "avx2": ("-mavx2", "-mfma"),
-    "avx512": ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),
+    "avx512": _AVX512,
+    "avx512_bf16": (*_AVX512, "-mavx512bf16"),
 }
 AVX512_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
-ISA_ENV = "LLMPIPE_KERNEL_ISA"  # "avx2" builds the AVX2 kernels on an AVX-512 CPU (tests, comparisons)
+BF16_CPU_FLAG = "avx512_bf16"
+# A lower ISA than the CPU's on request (tests, comparisons), e.g. "avx2" on an AVX-512 CPU.
+ISA_ENV = "LLMPIPE_KERNEL_ISA"
 COMPILE_TIMEOUT_S = 600
 DISABLE_ENV = "LLMPIPE_DISABLE_KERNELS"
 CACHE_ENV = "LLMPIPE_CACHE_DIR"
@@ -93,14 +98,19 @@ def cpu_flags() -> frozenset[str]:
 
 
 def kernel_isa() -> str:
-    """The kernels' instruction set: avx512 where this CPU has AVX-512 F/BW/VL/DQ, else avx2; the environment
-    variable LLMPIPE_KERNEL_ISA=avx2 forces avx2."""
+    """The kernels' instruction set: avx512_bf16 where this CPU has AVX-512 F/BW/VL/DQ and AVX512_BF16,
+    avx512 with the first four only, else avx2. LLMPIPE_KERNEL_ISA names a lower one to use instead."""
     forced = os.environ.get(ISA_ENV, "").strip().lower()
-    if forced not in ("", "avx2", "avx512"):
-        raise ValueError(f"{ISA_ENV}={forced!r}: expected avx2 or avx512")
-    if forced == "avx2" or not cpu_flags() >= AVX512_CPU_FLAGS:
-        return "avx2"
-    return "avx512"
+    if forced not in ("", *ISA_FLAGS):
+        raise ValueError(f"{ISA_ENV}={forced!r}: expected one of {', '.join(ISA_FLAGS)}")
+    levels = list(ISA_FLAGS)
+    if not cpu_flags() >= AVX512_CPU_FLAGS:
+        best = "avx2"
+    else:
+        best = "avx512_bf16" if BF16_CPU_FLAG in cpu_flags() else "avx512"
+    if forced and levels.index(forced) < levels.index(best):
+        return forced
+    return best
 
 
 def compile_cached(

@@ -120,8 +120,14 @@ int64_t num_groups(const LinearRef& l) { return int4_groups(l.K, l.group_size); 
 
 // Floats of per-thread scratch a linear needs beyond the normed activations.
 int64_t linear_scratch(const LinearRef& l, int64_t M) {
-  if (l.kind != WeightKind::kInt4) return 0;
-  return M <= kInt4DirectMaxRows ? M * (l.K + num_groups(l)) : Int4Tile::kTileRows * l.K;
+  switch (l.kind) {
+    case WeightKind::kInt4:
+      return M <= kInt4DirectMaxRows ? M * (l.K + num_groups(l)) : Int4Tile::kTileRows * l.K;
+    case WeightKind::kBF16:
+      return M * l.K;  // the rounded activations (bf16 or fp32)
+    default:
+      return 0;
+  }
 }
 
 // y = x @ W.T + bias (or y += ..., `accumulate`) with the team; `pair_act` selects the gate_up form.
@@ -152,6 +158,13 @@ void team_linear(const LinearRef& l, const float* x, int64_t M, int64_t ldx, flo
       } else {
         go(Int4Tile{w, l.scales, l.zeros, l.group_size, G, scratch, 0});
       }
+      break;
+    }
+    case WeightKind::kBF16: {
+      // Like Int4Direct: each thread rounds its own copy of the (few) activation rows.
+      auto* xr = reinterpret_cast<Bf16Activation*>(scratch);
+      round_rows_bf16(x, M, l.K, ldx, xr);
+      go(DenseBF16{static_cast<const bf16*>(l.w), xr});
       break;
     }
     case WeightKind::kAbsent:

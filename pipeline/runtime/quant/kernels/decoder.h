@@ -6,12 +6,12 @@
 
 namespace llmp {
 
-enum class WeightKind : int { kAbsent = -1, kF32 = 0, kInt8 = 1, kInt4 = 2 };
+enum class WeightKind : int { kAbsent = -1, kF32 = 0, kInt8 = 1, kInt4 = 2, kBF16 = 3 };
 
 // One linear layer y = x @ W.T + bias in any stored format (layouts: qgemv.cpp).
 struct LinearRef {
   WeightKind kind = WeightKind::kAbsent;
-  const void* w = nullptr;  // f32 [N, K], int8 [N, K] or packed uint8 [N, K / 2]
+  const void* w = nullptr;  // f32 [N, K], int8 [N, K], packed uint8 [N, K / 2] or bf16 [N, K]
   const float* scales = nullptr;  // int8 [N], int4 [N, G]
   const float* zeros = nullptr;   // int4 [N, G]
   const float* bias = nullptr;    // [N] or null

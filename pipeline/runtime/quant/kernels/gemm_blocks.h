@@ -7,8 +7,23 @@
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 namespace llmp {
+
+// A bfloat16 bit pattern: the upper half of an fp32.
+struct bf16 {
+  uint16_t bits;
+};
+
+inline float to_f32(float v) { return v; }
+inline float to_f32(int8_t v) { return static_cast<float>(v); }
+inline float to_f32(bf16 v) {
+  const uint32_t b = uint32_t{v.bits} << 16;
+  float f;
+  memcpy(&f, &b, sizeof f);
+  return f;
+}
 
 
 inline float hsum(__m256 v) {
@@ -21,6 +36,10 @@ inline float hsum(__m256 v) {
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256 load8(const bf16* p) {  // widening is exact
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
 // Dot products of NB weight rows (fp32 or int8, row stride ldw) with MB activation rows (row stride ldx).
@@ -47,10 +66,86 @@ inline void dense_block(const float* x, int64_t ldx, const T* w, int64_t ldw, in
   for (int r = 0; r < NB; ++r)
     for (int m = 0; m < MB; ++m) {
       float s = hsum(acc[r][m]);
-      for (int64_t t = k; t < K; ++t) s += static_cast<float>(w[r * ldw + t]) * x[m * ldx + t];
+      for (int64_t t = k; t < K; ++t) s += to_f32(w[r * ldw + t]) * x[m * ldx + t];
       out[r][m] = s;
     }
 }
+
+// bf16 weights take bf16 activations: each call rounds its activation rows once (to nearest even, like
+// torch's .bfloat16()) and the products accumulate in fp32. With AVX512_BF16 a dpbf16 instruction does 16
+// multiply-adds where an fp32 FMA does 8; elsewhere the rounded activations stay fp32 and the weights are
+// widened exactly, so both builds compute the same products (summed in another order).
+inline uint32_t bf16_round_bits(uint32_t b) { return b + 0x7FFFu + ((b >> 16) & 1u); }
+
+#if defined(__AVX512BF16__)
+using Bf16Activation = bf16;
+
+// x [M, K] fp32 (row stride ldx) -> xb [M, K] bf16.
+inline void round_rows_bf16(const float* x, int64_t M, int64_t K, int64_t ldx, bf16* xb) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = x + m * ldx;
+    bf16* o = xb + m * K;
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o + k), (__m128i)_mm256_cvtneps_pbh(_mm256_loadu_ps(xm + k)));
+    for (; k < K; ++k) {
+      uint32_t b;
+      memcpy(&b, xm + k, sizeof b);
+      o[k].bits = static_cast<uint16_t>(bf16_round_bits(b) >> 16);
+    }
+  }
+}
+
+// Dot products of NB bf16 weight rows with MB bf16 activation rows (row stride K for both), as dense_block.
+template <int NB, int MB>
+inline void bf16_block(const bf16* x, const bf16* w, int64_t K, const void* next, float out[NB][MB]) {
+  __m256 acc[NB][MB];
+  for (int r = 0; r < NB; ++r)
+    for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_ps();
+  const char* pf = static_cast<const char*>(next);
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    for (int j = 0; j < NB * 16 * 2; j += 64) _mm_prefetch(pf + k * NB * 2 + j, _MM_HINT_T0);
+    __m256bh xv[MB];
+    for (int m = 0; m < MB; ++m) xv[m] = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + m * K + k));
+    for (int r = 0; r < NB; ++r) {
+      const __m256bh wv = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * K + k));
+      for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_dpbf16_ps(acc[r][m], wv, xv[m]);
+    }
+  }
+  for (int r = 0; r < NB; ++r)
+    for (int m = 0; m < MB; ++m) {
+      float s = hsum(acc[r][m]);
+      for (int64_t t = k; t < K; ++t) s += to_f32(w[r * K + t]) * to_f32(x[m * K + t]);
+      out[r][m] = s;
+    }
+}
+#else
+using Bf16Activation = float;
+
+// x [M, K] fp32 (row stride ldx) -> xr [M, K] fp32 holding the bf16-rounded values.
+inline void round_rows_bf16(const float* x, int64_t M, int64_t K, int64_t ldx, float* xr) {
+  const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7FFF),
+                high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = x + m * ldx;
+    float* o = xr + m * K;
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+      const __m256i b = _mm256_castps_si256(_mm256_loadu_ps(xm + k));
+      const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), one);
+      const __m256i r = _mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(b, bias), odd), high);
+      _mm256_storeu_ps(o + k, _mm256_castsi256_ps(r));
+    }
+    for (; k < K; ++k) {
+      uint32_t b;
+      memcpy(&b, xm + k, sizeof b);
+      b = bf16_round_bits(b) & 0xFFFF0000u;
+      memcpy(o + k, &b, sizeof b);
+    }
+  }
+}
+#endif
 
 // int4 in 64-weight chunks: 32 bytes = eight 32-bit lanes; lane i holds q[8i .. 8i+7], nibble j at bits 4j.
 // Masking nibble j in place leaves q * 2^(4j) in each lane, which converts to fp32 exactly; the activations
@@ -187,6 +282,24 @@ struct Int8 {
     dense_block<int8_t, NB, MB>(p.x + m0 * p.ldx, p.ldx, wb, p.K, p.K, wb + NB * p.K, out);
   }
   float scale(int64_t n) const { return scales[n]; }
+};
+
+// bf16 weights; `xr` is this thread's copy of the activation rows rounded by round_rows_bf16 ([M, K]).
+struct DenseBF16 {
+  const bf16* w;
+  const Bf16Activation* xr;
+  template <int NB>
+  void prepare(const Problem&, int64_t) const {}
+  template <int NB, int MB>
+  void block(const Problem& p, int64_t n0, int64_t m0, float out[NB][MB]) const {
+    const bf16* wb = w + n0 * p.K;
+#if defined(__AVX512BF16__)
+    bf16_block<NB, MB>(xr + m0 * p.K, wb, p.K, wb + NB * p.K, out);
+#else
+    dense_block<bf16, NB, MB>(xr + m0 * p.K, p.K, wb, p.K, p.K, wb + NB * p.K, out);
+#endif
+  }
+  float scale(int64_t) const { return 1.0f; }
 };
 
 // Few activation rows (decode): dot the packed nibbles directly.

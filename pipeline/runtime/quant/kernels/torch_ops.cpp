@@ -133,7 +133,7 @@ at::Tensor dequant_int4(const at::Tensor& packed, const at::Tensor& scales, cons
 }
 
 // A linear layer given as [weight, scales, zeros, bias] (absent entries None); the format follows the weight's
-// dtype: float32 dense, int8 per-channel, uint8 packed int4 (group_size from the caller).
+// dtype: float32 or bfloat16 dense, int8 per-channel, uint8 packed int4 (group_size from the caller).
 llmp::LinearRef linear_ref(const c10::List<std::optional<at::Tensor>>& parts, int64_t first, int64_t group_size,
                            const char* name) {
   llmp::LinearRef l;
@@ -147,6 +147,11 @@ llmp::LinearRef linear_ref(const c10::List<std::optional<at::Tensor>>& parts, in
       l.kind = llmp::WeightKind::kF32;
       l.K = w->size(1);
       expect(*w, at::kFloat, {l.N, l.K}, name);
+      break;
+    case at::kBFloat16:
+      l.kind = llmp::WeightKind::kBF16;
+      l.K = w->size(1);
+      expect(*w, at::kBFloat16, {l.N, l.K}, name);
       break;
     case at::kChar:
       l.kind = llmp::WeightKind::kInt8;
