@@ -36,9 +36,9 @@ logger = logging.getLogger(__name__)
 
 AttentionChoice = Literal["auto", "kernel", "torch"]
 # One-row steps of models whose decoder layers store at most this many weight bytes run single-threaded on
-# CPU (ModelRunner._threads_for): between SmolLM2's int8 layers (3.5 MB, faster on one thread) and its fp32
-# ones (14 MB, faster on two).
-SINGLE_THREAD_MAX_LAYER_BYTES = 8 << 20
+# CPU (ModelRunner._threads_for): between SmolLM2's int8 layers (3.5 MB, faster on one thread) and its bf16
+# ones (6.75 MB: 61 vs 47 tok/s on two threads, benchmarks/NOTES.md session 5) and fp32 ones (14 MB).
+SINGLE_THREAD_MAX_LAYER_BYTES = 5 << 20
 _MODEL_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -186,8 +186,8 @@ class ModelRunner:
         """One-row steps of a model with small layers run on one thread. Measured on 2 vCPUs (SmolLM2,
         benchmarks/NOTES.md): such a step makes ~60 OpenMP regions, and for int8 / int4 layers (3.5 / 2 MB
         each) waking the second thread for every region costs more than the half of the work it takes over
-        (one thread decodes 1.3x / 1.1x faster), while fp32 layers (14 MB) stream faster from two cores
-        (two threads: 1.5x). A single-threaded step also leaves the other core to the serving processes."""
+        (one thread decodes 1.3x / 1.1x faster), while bf16 and fp32 layers (6.75 / 14 MB) stream faster
+        from two cores (two threads: 1.3x / 1.5x). A single-threaded step also leaves the other core to the serving processes."""
         threads = torch.get_num_threads()
         if (
             self.device.type != "cpu"
