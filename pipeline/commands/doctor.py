@@ -21,14 +21,30 @@ from pipeline.errors import PipelineError
 
 def _torch_backend(torch: dict[str, Any]) -> dict[str, Any]:
     if torch.get("version") is None:
-        return {"available": False, "reason": torch.get("reason"), "device": None, "quant_modes": []}
+        return {
+            "available": False,
+            "reason": torch.get("reason"),
+            "device": None,
+            "quant_modes": [],
+            "fast_dtypes": [],
+        }
     device = "cuda" if torch.get("cuda_available") else "cpu"
     return {
         "available": True,
         "reason": None,
         "device": device,
         "quant_modes": list(BACKEND_QUANT_MODES["torch"]),
+        "fast_dtypes": _fast_dtypes(device),
     }
+
+
+def _fast_dtypes(device: str) -> list[str]:
+    """The `dtype` values that speed an engine up here: on a CPU, bfloat16 only with bf16 dot products."""
+    if device == "cuda":
+        return ["float16", "bfloat16", "float32"]
+    from pipeline.runtime.quant.kernels import cpu_has_bf16_dot
+
+    return ["float32", "bfloat16"] if cpu_has_bf16_dot() else ["float32"]
 
 
 def _trtllm_backend(trtllm: env.Probe, gpus: env.Probe) -> dict[str, Any]:
@@ -100,6 +116,8 @@ def format_table(report: dict[str, Any]) -> str:
         if backend["available"]:
             extra = f" on {backend['device']}" if backend.get("device") else ""
             text = f"yes{extra}; quantization: {', '.join(backend['quant_modes'])}"
+            if backend.get("fast_dtypes"):
+                text += f"; fast dtypes: {', '.join(backend['fast_dtypes'])}"
             if backend.get("kv_cache_dtypes"):
                 text += f"; KV: {', '.join(backend['kv_cache_dtypes'])}"
         else:

@@ -14,6 +14,7 @@ from pipeline.backends.trtllm import env
 from pipeline.backends.trtllm.inspect.onnx_check import check_onnx_file, check_onnx_files
 from pipeline.commands.doctor import collect_report, doctor, format_table
 from pipeline.errors import IntegrityError
+from pipeline.runtime.quant.kernels import build
 
 
 def test_nvidia_smi_rows_parse_into_gpus() -> None:
@@ -35,6 +36,9 @@ def test_doctor_here_reports_torch_available_and_trtllm_not_with_the_reason() ->
     report = json.loads(result.output)
     assert report["backends"]["torch"]["available"] is True
     assert "int4_wo" in report["backends"]["torch"]["quant_modes"]
+    bf16_dot = {"avx512_bf16", "amx_bf16"} & build.cpu_flags()
+    expected = ["float32", "bfloat16"] if bf16_dot else ["float32"]
+    assert report["backends"]["torch"]["fast_dtypes"] == expected
     trtllm = report["backends"]["trtllm"]
     assert trtllm["available"] is False
     assert "pip install llmpipe[trtllm]" in trtllm["reason"] and "nvidia-smi not found" in trtllm["reason"]
@@ -43,6 +47,7 @@ def test_doctor_here_reports_torch_available_and_trtllm_not_with_the_reason() ->
     assert (
         "backend torch   yes on cpu" in table and "backend trtllm  no: TensorRT-LLM is not installed" in table
     )
+    assert f"fast dtypes: {', '.join(expected)}" in table
 
 
 def test_tritonserver_version_of_the_bundled_server() -> None:
