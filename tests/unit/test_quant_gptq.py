@@ -31,7 +31,13 @@ from pipeline.runtime.engine import LLMEngine
 from pipeline.runtime.model_runner import ModelRunner
 from pipeline.runtime.quant import primitives
 from pipeline.runtime.quant.awq import InputStats, WeightFormat, output_error, search_clip
-from pipeline.runtime.quant.gptq import gptq_int4
+from pipeline.runtime.quant.gptq import (
+    damped_hessian,
+    gptq_int4,
+    gptq_levels,
+    inverse_hessian_factor,
+    refit_grid,
+)
 from pipeline.runtime.quant.linear import QuantLinear
 from pipeline.runtime.sampling_params import SamplingParams
 from tests.serving_helpers import tiny_config
@@ -70,12 +76,70 @@ def test_gptq_writes_the_int4_format(group_size: int, in_f: int) -> None:
 
 def test_gptq_is_round_to_nearest_on_its_grid_when_inputs_are_uncorrelated() -> None:
     # H = I: no column's rounding error can be cancelled by another's, so nothing moves and every weight
-    # takes the level nearest to it on the (clipped) grid.
+    # takes the level nearest to it on the grid it is given.
     weight = torch.randn(16, 192, generator=torch.Generator().manual_seed(2))
     identity = torch.eye(192)
-    expected = primitives.quantize_int4_groupwise(search_clip(weight, identity, WeightFormat("int4", 64)), 64)
-    for got, want in zip(gptq_int4(weight, identity, 64), expected, strict=True):
-        assert torch.equal(got, want)
+    clipped = search_clip(weight, identity, WeightFormat("int4", 64))
+    want_packed, scales, zeros = primitives.quantize_int4_groupwise(clipped, 64)
+    order = torch.randperm(192, generator=torch.Generator().manual_seed(2))
+    levels = gptq_levels(weight, inverse_hessian_factor(damped_hessian(identity)), order, 64, scales, zeros)
+    assert torch.equal(primitives.pack_int4(levels), want_packed)
+    # ... and the refitted grids GPTQ ends on decode closer to the weight than that first grid
+    fitted = primitives.dequantize_int4(*gptq_int4(weight, identity, 64), 64)
+    on_grid = primitives.dequantize_int4(want_packed, scales, zeros, 64)
+    assert output_error(fitted - weight, identity) < output_error(on_grid - weight, identity)
+
+
+def hessian_error(weight: torch.Tensor, decoded: torch.Tensor, hessian: torch.Tensor) -> torch.Tensor:
+    """[out]: each row's (w - w')^T H (w - w')."""
+    delta = (decoded - weight).to(torch.float64)
+    return ((delta @ hessian.to(torch.float64)) * delta).sum(1)
+
+
+@pytest.mark.parametrize(("group_size", "in_f"), [(32, 96), (128, 576)])
+def test_refit_never_raises_a_rows_error_over_the_grid_it_starts_from(group_size: int, in_f: int) -> None:
+    gen = torch.Generator().manual_seed(4)
+    weight = torch.randn(40, in_f, generator=gen) * 0.05
+    x = correlated_inputs(4096, in_f, seed=4)
+    hessian = damped_hessian(x.T @ x / len(x))
+    packed, scales, zeros = primitives.quantize_int4_groupwise(weight, group_size)
+    levels = primitives.unpack_int4(packed)
+    fitted_scales, fitted_zeros = refit_grid(weight, hessian, levels, group_size, scales, zeros)
+    before = hessian_error(weight, primitives.dequantize_int4(packed, scales, zeros, group_size), hessian)
+    after = hessian_error(
+        weight, primitives.dequantize_int4(packed, fitted_scales, fitted_zeros, group_size), hessian
+    )
+    assert (after <= before).all()
+    assert after.sum() < 0.9 * before.sum()
+
+
+def test_refit_recovers_the_affine_map_that_generated_the_weight() -> None:
+    # weights exactly a_g * q + b_g on the levels: the least-squares fit is exact, whatever H weighs it by
+    gen = torch.Generator().manual_seed(5)
+    levels = torch.randint(0, 16, (6, 96), generator=gen, dtype=torch.uint8)
+    scales = torch.rand(6, 3, generator=gen) + 0.1
+    zeros = torch.rand(6, 3, generator=gen) * 15
+    weight = primitives.dequantize_int4(primitives.pack_int4(levels), scales, zeros, 32)
+    x = correlated_inputs(1024, 96, seed=5)
+    start_scales, start_zeros = scales * 1.3, zeros - 2.0
+    got_scales, got_zeros = refit_grid(
+        weight, damped_hessian(x.T @ x / len(x)), levels, 32, start_scales, start_zeros
+    )
+    torch.testing.assert_close(got_scales, scales, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(got_zeros, zeros, rtol=1e-4, atol=1e-4)
+
+
+def test_refit_stays_finite_when_a_group_has_a_single_level() -> None:
+    # a group whose levels are all equal leaves its (a, b) pair without a unique fit (a singular system):
+    # the row must still come out with usable scales and zero points
+    gen = torch.Generator().manual_seed(6)
+    weight = torch.randn(4, 64, generator=gen)
+    packed, scales, zeros = primitives.quantize_int4_groupwise(weight, 32)
+    levels = primitives.unpack_int4(packed)
+    levels[0, :32] = 7
+    got_scales, got_zeros = refit_grid(weight, damped_hessian(torch.eye(64)), levels, 32, scales, zeros)
+    assert torch.isfinite(got_scales).all() and torch.isfinite(got_zeros).all()
+    assert (got_scales > 0).all()
 
 
 def test_channels_that_never_fire_neither_take_nor_give_error() -> None:
@@ -83,11 +147,14 @@ def test_channels_that_never_fire_neither_take_nor_give_error() -> None:
     x = correlated_inputs(512, 64)
     x[:, 10] = 0.0  # H[10, :] = H[:, 10] = 0: without a fix-up its Cholesky would fail
     moment = x.T @ x / len(x)
-    packed, scales, zeros = gptq_int4(weight, moment, 32)
+    _, scales, zeros = gptq_int4(weight, moment, 32)
     assert torch.isfinite(scales).all() and torch.isfinite(zeros).all()
-    levels = primitives.unpack_int4(packed)
     clipped = search_clip(weight, moment, WeightFormat("int4", 32))
-    nearest = primitives.unpack_int4(primitives.quantize_int4_groupwise(clipped, 32)[0])
+    packed, scales, zeros = primitives.quantize_int4_groupwise(clipped, 32)
+    nearest = primitives.unpack_int4(packed)
+    order = torch.argsort(moment.diagonal(), descending=True, stable=True)
+    u = inverse_hessian_factor(damped_hessian(moment)[order][:, order])
+    levels = gptq_levels(weight, u, order, 32, scales, zeros)
     assert torch.equal(levels[:, 10], nearest[:, 10])
     assert not torch.equal(levels, nearest)
 
