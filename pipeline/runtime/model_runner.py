@@ -88,7 +88,7 @@ class ModelRunner:
         )
         # A bf16 engine's KV cache is bf16 too (TensorRT-LLM's default: the model dtype): half the bytes
         # that c=16 decode steps stream through attention, twice the tokens in the same memory.
-        self.kv_dtype = self.layer_weight_dtype
+        kv_dtype = self.layer_weight_dtype
         self.tokens_per_block = build.plugin_config.tokens_per_block
         weights = load_llama_weights(engine_config, self.device, self.dtype, self.layer_weight_dtype)
         first = weights.layers[0]
@@ -99,7 +99,7 @@ class ModelRunner:
         self.num_kv_blocks = num_kv_blocks(
             model_cfg,
             self.tokens_per_block,
-            self.kv_dtype,
+            kv_dtype,
             self.device,
             max_tokens=kv_max_tokens if kv_max_tokens is not None else runtime.kv_max_tokens,
             free_memory_fraction=kv_free_memory_fraction
@@ -115,7 +115,7 @@ class ModelRunner:
             model_cfg,
             self.num_kv_blocks,
             self.tokens_per_block,
-            self.kv_dtype,
+            kv_dtype,
             self.device,
             zero=kernel is None,
             int8=self.kv_int8,
@@ -132,7 +132,7 @@ class ModelRunner:
             self.layer_weight_dtype,
             self.num_kv_blocks,
             self.tokens_per_block,
-            "int8" if self.kv_int8 else self.kv_dtype,
+            "int8" if self.kv_int8 else kv_dtype,
             self.kv_cache.num_bytes / 2**30,
             self.attention_backend,
         )

@@ -16,7 +16,7 @@ from pipeline.runtime.attn_metadata import AttentionMetadata
 from pipeline.runtime.engine_config import ModelConfig
 from pipeline.runtime.model.layers import Attention, DenseLinear, Linear
 from pipeline.runtime.quant import kernels
-from pipeline.runtime.quant.linear import MAX_KERNEL_ROWS, QuantLinear, fp32_kernel_weight
+from pipeline.runtime.quant.linear import MAX_KERNEL_ROWS, QuantLinear
 
 if TYPE_CHECKING:
     from pipeline.runtime.model.llama import LlamaWeights
@@ -28,8 +28,8 @@ KernelArgs = tuple[list[torch.Tensor | None], list[torch.Tensor | None], list[in
 def _runs_on_kernel(linear: Linear) -> bool:
     if isinstance(linear, DenseLinear):
         w, b = linear.weight, linear.bias
-        bf16 = w.dtype == torch.bfloat16 and w.is_cpu and w.is_contiguous()
-        return (fp32_kernel_weight(w) or bf16) and (b is None or b.dtype == torch.float32)
+        dense_ok = w.dtype in (torch.float32, torch.bfloat16) and w.is_cpu and w.is_contiguous()
+        return dense_ok and (b is None or b.dtype == torch.float32)
     return isinstance(linear, QuantLinear) and linear.qweight.is_cpu
 
 

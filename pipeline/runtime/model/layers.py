@@ -126,6 +126,7 @@ class KernelAttention:
         self.config = config
         self.cos_sin = cos_sin  # [max_positions, D]
         self._step_args: tuple[Any, ...] = ()
+        self._cache_bf16 = int(kv_cache.storage.dtype == torch.bfloat16)
         # Per layer: the K, V, K-scale and V-scale addresses (scales None unless int8); the cache never moves.
         self._layer_ptrs = [
             (k.data_ptr(), v.data_ptr(), _ptr(k_scale), _ptr(v_scale))
@@ -155,7 +156,7 @@ class KernelAttention:
             c.sliding_window or 0,
             meta.max_context_len,
             c.head_dim**-0.5,
-            int(self.kv_cache.storage.dtype == torch.bfloat16),
+            self._cache_bf16,
         )
 
     def __call__(self, layer: int, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
