@@ -27,6 +27,8 @@ BACKEND_QUANT_MODES: dict[str, tuple[str, ...]] = {
     "torch": ("none", "int8_wo", "int4_wo", "int4_awq", "int4_gptq"),
     "trtllm": ("none", "int8_wo", "int4_wo", "int4_awq", "w4a8_awq", "int8_sq", "fp8", "fp8_pc_pt", "nvfp4"),
 }
+# (backend, mode) pairs whose int4 grids quantization.tune can train (backends/torch/grid_tune.py).
+TUNED_INT4_MODES = (("torch", "int4_wo"), ("torch", "int4_awq"), ("torch", "int4_gptq"))
 BACKEND_KV_DTYPES: dict[str, tuple[str, ...]] = {
     "torch": ("auto", "int8"),
     "trtllm": ("auto", "int8", "fp8"),
@@ -107,6 +109,24 @@ class CalibrationConfig(_Strict):
     seed: int = Field(1234, description="Calibration sampling seed (quantize.py --seed).")
 
 
+class GridTuneConfig(_Strict):
+    steps: int = Field(
+        0,
+        ge=0,
+        description="torch int4 modes: Adam steps of end-to-end tuning of every group's scale and zero point "
+        "against the float model's next-token distributions (levels fixed, same format); 0 = off.",
+    )
+    generated_samples: int = Field(
+        192,
+        ge=0,
+        description="Sequences sampled from the float model to tune on besides the calibration set.",
+    )
+    batch_size: int = Field(4, ge=1, description="Sequences per tuning step.")
+    learning_rate: float = Field(
+        1e-3, gt=0, description="Adam step size of the scales (relative); zero points take 5x, in levels."
+    )
+
+
 class QuantizationConfig(_Strict):
     mode: QuantMode = Field(
         "none", description="Weight/activation format, named as ModelOpt's quantize.py --qformat."
@@ -127,6 +147,7 @@ class QuantizationConfig(_Strict):
         "always do.",
     )
     calibration: CalibrationConfig = Field(default_factory=CalibrationConfig, description="Calibration data.")
+    tune: GridTuneConfig = Field(default_factory=GridTuneConfig, description="End-to-end int4 grid tuning.")
 
     @property
     def quant_algo(self) -> str | None:
@@ -413,6 +434,11 @@ def _check_backend_support(cfg: BuildConfig) -> None:
         )
     if q.mode in ("int4_wo", "int4_awq", "int4_gptq", "w4a8_awq") and q.group_size not in (32, 64, 128):
         raise ValueError(f"quantization.group_size={q.group_size} for mode={q.mode} must be 32, 64 or 128")
+    if q.tune.steps and (cfg.backend, q.mode) not in TUNED_INT4_MODES:
+        raise ValueError(
+            f"quantization.tune.steps={q.tune.steps} tunes int4 grids of the torch backend, not mode={q.mode} on "
+            f"backend={cfg.backend}; use mode={' / '.join(m for _, m in TUNED_INT4_MODES)} or tune.steps=0"
+        )
     if cfg.backend == "torch":
         if cfg.parallel.world_size > 1:
             raise ValueError(

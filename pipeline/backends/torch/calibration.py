@@ -173,7 +173,7 @@ def _walk_blocks(
                 handle.remove()
         yield index, stats
         if quantized_block is not None and index + 1 < len(blocks):
-            _load_block(block, quantized_block(index))
+            load_block(block, quantized_block(index))
             outputs = _forward(block, hidden, inputs)
         hidden = outputs
 
@@ -189,7 +189,7 @@ def _forward(
     return outputs
 
 
-def _load_block(block: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+def load_block(block: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     """Copy one block's runtime-layout tensors into its HF modules (splitting the fused ones)."""
     from pipeline.backends.torch.checkpoint import LAYER_WEIGHTS, QKV_BIAS_WEIGHTS
 

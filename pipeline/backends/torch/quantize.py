@@ -2,7 +2,8 @@
 zero points), activation-aware int4 (W4A16_AWQ: calibrated input scales folded into the preceding
 weights, then the same int4 format; int8 too with quantization.activation_aware) or GPTQ int4 (W4A16_GPTQ:
 the same format, levels chosen by error-feedback rounding on calibration inputs) applied to a converted
-checkpoint. The packed tensors use the on-disk layout of `pipeline.runtime.quant.primitives`; the scheme
+checkpoint; any int4 mode can then have its grids tuned end to end (quantization.tune,
+backends/torch/grid_tune.py). The packed tensors use the on-disk layout of `pipeline.runtime.quant.primitives`; the scheme
 and group size go into `config.json`'s `quantization` section, which the runtime's loader reads (never a
 file name)."""
 
@@ -80,6 +81,13 @@ def quantize(cfg: BuildConfig, ckpt_dir: Path, out_dir: Path, hf_dir: Path | Non
             )
         for key, value in layer.state_tensors().items():
             tensors[f"{prefix}.{key}"] = value.contiguous()
+    if q.tune.steps:
+        from pipeline.backends.torch.grid_tune import tune_int4_grids
+
+        assert group_size is not None  # config validation allows tuning for int4 modes only
+        calibrated_facts["tune"] = tune_int4_grids(
+            tensors, pretrained, _calibration_model(cfg, hf_dir), q.calibration, q.tune, group_size
+        )
     quant_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -112,7 +120,7 @@ def data_files(cfg: BuildConfig) -> dict[str, Path]:
     from pipeline.backends.torch.calibration import calibration_path
 
     q = cfg.quantization
-    if _is_activation_aware(q):
+    if _is_activation_aware(q) or q.tune.steps:
         return {"calibration": calibration_path(q.calibration.dataset)}
     return {}
 

@@ -1,0 +1,246 @@
+"""End-to-end tuning of int4 grids (quantization.tune): after rounding, each group's levels stay fixed and its
+scale and zero point are trained with Adam so that the quantized model's next-token distributions match the
+float32 model's (mean KL divergence) on the calibration text plus sequences sampled from the float model.
+
+Why: GPTQ and the activation-aware search minimize each layer's own output error; the model's output
+error also depends on how those errors add up over 30 blocks, which only an end-to-end objective sees.
+Training only the grids (EfficientQAT's "E2E-QP" step, with the float model as the teacher) keeps the
+packed format and kernels unchanged and has few parameters (two per group), so a few thousand tokens of
+text do not overfit them the way they would the weights. Sampled sequences (LLM-QAT's data-free recipe:
+random first token, then the float model's own samples) widen the text the grids see beyond the
+calibration set. On SmolLM2-135M (int4_gptq, group 128, 120 steps) validate's perplexity delta vs float32
+went from +13.4 % to +10.1 % (benchmarks/NOTES.md, session 6).
+
+A share of the sequences is held out: the tuned grids are kept only when they lower the held-out KL.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from pipeline.backends.torch.calibration import calibration_samples, load_block
+from pipeline.backends.torch.checkpoint import LAYER_WEIGHTS
+from pipeline.backends.torch.quantize import LAYER_LINEARS
+from pipeline.config import CalibrationConfig, GridTuneConfig
+from pipeline.runtime.quant import primitives
+from pipeline.runtime.quant.linear import QuantLinear
+
+# Tuning sequences are cut to this many tokens: long enough for the attention patterns of real text, short
+# enough that a batch's activations stay a few hundred MB.
+SEQUENCE_LENGTH = 256
+# Zero points move in levels. A relative scale change c moves a group's outer levels by ~7.5c levels (half of
+# 15), so the zero points take steps of this many times the scales' for a comparable effect.
+ZERO_STEP = 5.0
+# Every HELD_OUT_EVERY-th sequence decides whether the tuned grids are kept instead of training them.
+HELD_OUT_EVERY = 8
+
+
+class TunedGrid(torch.nn.Module):
+    """One runtime int4 linear layer: fixed levels, trainable per-group scales and zero points."""
+
+    levels: torch.Tensor
+    base_scales: torch.Tensor
+    base_zeros: torch.Tensor
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int):
+        super().__init__()
+        levels = primitives.unpack_int4(qweight).to(torch.float32)
+        out_features, self.in_features = levels.shape
+        groups = scales.shape[1]
+        padded = F.pad(levels, (0, groups * group_size - self.in_features))
+        self.register_buffer("levels", padded.view(out_features, groups, group_size))
+        self.register_buffer("base_scales", scales.to(torch.float32))
+        self.register_buffer("base_zeros", zeros.to(torch.float32))
+        # A relative change keeps one learning rate right for groups whose scales differ by orders of magnitude.
+        self.scale_change = torch.nn.Parameter(torch.zeros_like(self.base_scales))
+        self.zero_change = torch.nn.Parameter(torch.zeros_like(self.base_zeros))
+
+    def scales(self, rows: slice = slice(None)) -> torch.Tensor:
+        return self.base_scales[rows] * (1 + self.scale_change[rows])
+
+    def zeros(self, rows: slice = slice(None)) -> torch.Tensor:
+        return self.base_zeros[rows] + self.zero_change[rows]
+
+    def weight(self, rows: slice = slice(None)) -> torch.Tensor:
+        w = (self.levels[rows] - self.zeros(rows)[..., None]) * self.scales(rows)[..., None]
+        return w.flatten(1)[:, : self.in_features]
+
+
+class GridRows(torch.nn.Module):
+    """An HF linear layer computed from its rows of a fused TunedGrid (q/k/v share attention.qkv)."""
+
+    def __init__(self, grid: TunedGrid, rows: slice, bias: torch.Tensor | None):
+        super().__init__()
+        self.grid, self.rows, self.bias = grid, rows, bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.grid.weight(self.rows), self.bias)
+
+
+def tune_int4_grids(
+    tensors: dict[str, torch.Tensor],
+    pretrained: dict[str, Any],
+    hf_dir: Path,
+    calibration: CalibrationConfig,
+    tune: GridTuneConfig,
+    group_size: int,
+    *,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Tune the scales and zeros of every block's int4 linear layer in `tensors` (quantized runtime layout,
+    replaced in place when the held-out KL improves). Returns the stage facts."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(calibration.seed)
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    teacher = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    sequences = [s for s in calibration_samples(tokenizer, calibration) if len(s) >= 2]
+    sequences += sample_sequences(teacher, tokenizer, tune.generated_samples, calibration.seed, progress)
+    chunks = [s[i : i + SEQUENCE_LENGTH] for s in sequences for i in range(0, len(s), SEQUENCE_LENGTH)]
+    chunks = [c for c in chunks if len(c) >= 2]
+    held_out, train = chunks[::HELD_OUT_EVERY], [c for i, c in enumerate(chunks) if i % HELD_OUT_EVERY]
+    if not train or not held_out:
+        return {"skipped": f"only {len(chunks)} sequences of text to tune on"}
+
+    student, grids = _student(teacher, tensors, pretrained, group_size)
+    kl_before = _mean_kl(teacher, student, held_out, tune.batch_size)
+    optimizer = torch.optim.Adam(
+        [
+            {"params": [g.scale_change for g in grids.values()], "lr": tune.learning_rate},
+            {"params": [g.zero_change for g in grids.values()], "lr": ZERO_STEP * tune.learning_rate},
+        ]
+    )
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * step / tune.steps))
+    )
+    rng = random.Random(calibration.seed)
+    bar = _bar(range(tune.steps), f"int4 grid tuning ({tune.steps} steps)", progress)
+    for _ in bar:
+        loss = _batch_kl(teacher, student, rng.sample(train, min(tune.batch_size, len(train))))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        bar.set_postfix(kl=f"{loss.item():.4f}")
+    bar.close()
+    kl_after = _mean_kl(teacher, student, held_out, tune.batch_size)
+    kept = kl_after < kl_before and all(
+        bool(torch.isfinite(g.scales()).all() and (g.scales() > 0).all()) for g in grids.values()
+    )
+    if kept:
+        with torch.no_grad():
+            for prefix, grid in grids.items():
+                tensors[f"{prefix}.scales"] = grid.scales().contiguous()
+                tensors[f"{prefix}.zeros"] = grid.zeros().contiguous()
+    return {
+        "steps": tune.steps,
+        "tokens": sum(map(len, train)),
+        "held_out_tokens": sum(map(len, held_out)),
+        "held_out_kl_before": round(kl_before, 5),
+        "held_out_kl_after": round(kl_after, 5),
+        "kept": kept,
+    }
+
+
+@torch.no_grad()
+def sample_sequences(model: Any, tokenizer: Any, count: int, seed: int, progress: bool) -> list[list[int]]:
+    """`count` sequences of SEQUENCE_LENGTH tokens sampled (temperature 1, no truncation, end-of-text
+    suppressed) from `model`, each started from a uniformly drawn non-special token."""
+    from transformers import GenerationConfig
+
+    generator = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)  # generate() samples from the global generator
+    special = set(tokenizer.all_special_ids)
+    vocabulary = torch.tensor([t for t in range(model.config.vocab_size) if t not in special])
+    config = GenerationConfig(
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=SEQUENCE_LENGTH - 1,
+        min_new_tokens=SEQUENCE_LENGTH - 1,
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
+    )
+    batch = 32
+    out: list[list[int]] = []
+    for start in _bar(range(0, count, batch), "sampling tuning text", progress, unit="batch"):
+        first = vocabulary[
+            torch.randint(len(vocabulary), (min(batch, count - start), 1), generator=generator)
+        ]
+        out += model.generate(
+            input_ids=first, attention_mask=torch.ones_like(first), generation_config=config
+        ).tolist()
+    return out
+
+
+def _student(
+    teacher: Any, tensors: dict[str, torch.Tensor], pretrained: dict[str, Any], group_size: int
+) -> tuple[Any, dict[str, TunedGrid]]:
+    """A copy of `teacher` computing what the engine will: the folded norms of `tensors` and every block's
+    linear layers from their int4 grids."""
+    student = copy.deepcopy(teacher)
+    for param in student.parameters():
+        param.requires_grad_(False)
+    grids: dict[str, TunedGrid] = {}
+    for index, block in enumerate(student.model.layers):
+        prefix = f"transformer.layers.{index}."
+        # the norms, into which the activation-aware scales were folded
+        load_block(block, {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)})
+        for name in LAYER_LINEARS:
+            key = prefix + name
+            grid = TunedGrid(
+                tensors[f"{key}.qweight"], tensors[f"{key}.scales"], tensors[f"{key}.zeros"], group_size
+            )
+            grids[key] = grid
+            bias, row = tensors.get(f"{key}.bias"), 0
+            for source in LAYER_WEIGHTS[f"{name}.weight"]:
+                parent_name, _, child = source.removesuffix(".weight").rpartition(".")
+                parent = block.get_submodule(parent_name)
+                rows = slice(row, row + getattr(parent, child).out_features)
+                setattr(parent, child, GridRows(grid, rows, None if bias is None else bias[rows]))
+                row = rows.stop
+    if "lm_head.qweight" in tensors:  # quantize_lm_head: its grids stay as they are
+        packed = {k.removeprefix("lm_head."): v for k, v in tensors.items() if k.startswith("lm_head.")}
+        weight = QuantLinear.from_packed(packed, "int4", group_size).dequantize()
+        student.lm_head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        student.lm_head.weight = torch.nn.Parameter(weight, requires_grad=False)
+    return student, grids
+
+
+def _batch_kl(teacher: torch.nn.Module, student: torch.nn.Module, batch: list[list[int]]) -> torch.Tensor:
+    """Mean over the batch's real tokens of KL(teacher || student) of the next-token distributions."""
+    width = max(map(len, batch))
+    ids = torch.tensor([s + [0] * (width - len(s)) for s in batch])
+    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in batch])
+    with torch.no_grad():
+        target = torch.log_softmax(teacher(input_ids=ids, attention_mask=mask).logits.float(), -1)
+    predicted = torch.log_softmax(student(input_ids=ids, attention_mask=mask).logits.float(), -1)
+    kl = (target.exp() * (target - predicted)).sum(-1)
+    return (kl * mask).sum() / mask.sum()
+
+
+@torch.no_grad()
+def _mean_kl(
+    teacher: torch.nn.Module, student: torch.nn.Module, chunks: list[list[int]], batch: int
+) -> float:
+    total = weight = 0.0
+    for start in range(0, len(chunks), batch):
+        part = chunks[start : start + batch]
+        tokens = sum(map(len, part))
+        total += _batch_kl(teacher, student, part).item() * tokens
+        weight += tokens
+    return total / weight
+
+
+def _bar(items: Any, desc: str, progress: bool, unit: str = "step") -> Any:
+    from tqdm import tqdm
+
+    return tqdm(items, desc=desc, unit=unit, file=sys.stderr, disable=not progress)
