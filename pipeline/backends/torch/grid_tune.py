@@ -87,7 +87,6 @@ class GridRows(torch.nn.Module):
 
 def tune_int4_grids(
     tensors: dict[str, torch.Tensor],
-    pretrained: dict[str, Any],
     hf_dir: Path,
     calibration: CalibrationConfig,
     tune: GridTuneConfig,
@@ -110,7 +109,7 @@ def tune_int4_grids(
     if not train or not held_out:
         return {"skipped": f"only {len(chunks)} sequences of text to tune on"}
 
-    student, grids = _student(teacher, tensors, pretrained, group_size)
+    student, grids = _student(teacher, tensors, group_size)
     kl_before = _mean_kl(teacher, student, held_out, tune.batch_size)
     optimizer = torch.optim.Adam(
         [
@@ -182,7 +181,7 @@ def sample_sequences(model: Any, tokenizer: Any, count: int, seed: int, progress
 
 
 def _student(
-    teacher: Any, tensors: dict[str, torch.Tensor], pretrained: dict[str, Any], group_size: int
+    teacher: Any, tensors: dict[str, torch.Tensor], group_size: int
 ) -> tuple[Any, dict[str, TunedGrid]]:
     """A copy of `teacher` computing what the engine will: the folded norms of `tensors` and every block's
     linear layers from their int4 grids."""

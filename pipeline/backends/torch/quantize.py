@@ -86,7 +86,7 @@ def quantize(cfg: BuildConfig, ckpt_dir: Path, out_dir: Path, hf_dir: Path | Non
 
         assert group_size is not None  # config validation allows tuning for int4 modes only
         calibrated_facts["tune"] = tune_int4_grids(
-            tensors, pretrained, _calibration_model(cfg, hf_dir), q.calibration, q.tune, group_size
+            tensors, _calibration_model(cfg, hf_dir), q.calibration, q.tune, group_size
         )
     quant_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
 
