@@ -187,7 +187,8 @@ class ModelRunner:
         benchmarks/NOTES.md): such a step makes ~60 OpenMP regions, and for int8 / int4 layers (3.5 / 2 MB
         each) waking the second thread for every region costs more than the half of the work it takes over
         (one thread decodes 1.3x / 1.1x faster), while bf16 and fp32 layers (6.75 / 14 MB) stream faster
-        from two cores (two threads: 1.3x / 1.5x). A single-threaded step also leaves the other core to the serving processes."""
+        from two cores (two threads: 1.3x / 1.5x). A single-threaded step also leaves the other core to the
+        serving processes."""
         threads = torch.get_num_threads()
         if (
             self.device.type != "cpu"

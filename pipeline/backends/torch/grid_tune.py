@@ -98,7 +98,6 @@ def tune_int4_grids(
     replaced in place when the held-out KL improves). Returns the stage facts."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch.manual_seed(calibration.seed)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     teacher = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     sequences = [s for s in calibration_samples(tokenizer, calibration) if len(s) >= 2]

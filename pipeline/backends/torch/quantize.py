@@ -3,9 +3,9 @@ zero points), activation-aware int4 (W4A16_AWQ: calibrated input scales folded i
 weights, then the same int4 format; int8 too with quantization.activation_aware) or GPTQ int4 (W4A16_GPTQ:
 the same format, levels chosen by error-feedback rounding on calibration inputs) applied to a converted
 checkpoint; any int4 mode can then have its grids tuned end to end (quantization.tune,
-backends/torch/grid_tune.py). The packed tensors use the on-disk layout of `pipeline.runtime.quant.primitives`; the scheme
-and group size go into `config.json`'s `quantization` section, which the runtime's loader reads (never a
-file name)."""
+backends/torch/grid_tune.py). The packed tensors use the on-disk layout of
+`pipeline.runtime.quant.primitives`; the scheme and group size go into `config.json`'s `quantization`
+section, which the runtime's loader reads (never a file name)."""
 
 from __future__ import annotations
 
