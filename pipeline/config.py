@@ -110,6 +110,13 @@ class CalibrationConfig(_Strict):
 
 
 class GridTuneConfig(_Strict):
+    block_steps: int = Field(
+        0,
+        ge=0,
+        description="torch int4 modes: steps per transformer block of block-wise tuning, before the end-to-end "
+        "steps: each weight's level may move by one and the grids are trained so that the block's outputs match "
+        "the float block's on the same inputs; 0 = off.",
+    )
     steps: int = Field(
         0,
         ge=0,
@@ -125,6 +132,10 @@ class GridTuneConfig(_Strict):
     learning_rate: float = Field(
         1e-3, gt=0, description="Adam step size of the scales (relative); zero points take 5x, in levels."
     )
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.steps or self.block_steps)
 
 
 class QuantizationConfig(_Strict):
@@ -147,7 +158,9 @@ class QuantizationConfig(_Strict):
         "always do.",
     )
     calibration: CalibrationConfig = Field(default_factory=CalibrationConfig, description="Calibration data.")
-    tune: GridTuneConfig = Field(default_factory=GridTuneConfig, description="End-to-end int4 grid tuning.")
+    tune: GridTuneConfig = Field(
+        default_factory=GridTuneConfig, description="Block-wise and end-to-end int4 grid tuning."
+    )
 
     @property
     def quant_algo(self) -> str | None:
@@ -434,10 +447,11 @@ def _check_backend_support(cfg: BuildConfig) -> None:
         )
     if q.mode in ("int4_wo", "int4_awq", "int4_gptq", "w4a8_awq") and q.group_size not in (32, 64, 128):
         raise ValueError(f"quantization.group_size={q.group_size} for mode={q.mode} must be 32, 64 or 128")
-    if q.tune.steps and (cfg.backend, q.mode) not in TUNED_INT4_MODES:
+    if q.tune.enabled and (cfg.backend, q.mode) not in TUNED_INT4_MODES:
         raise ValueError(
-            f"quantization.tune.steps={q.tune.steps} tunes int4 grids of the torch backend, not mode={q.mode} on "
-            f"backend={cfg.backend}; use mode={' / '.join(m for _, m in TUNED_INT4_MODES)} or tune.steps=0"
+            f"quantization.tune.steps={q.tune.steps} block_steps={q.tune.block_steps} tunes int4 grids of the torch "
+            f"backend, not mode={q.mode} on backend={cfg.backend}; use mode="
+            f"{' / '.join(m for _, m in TUNED_INT4_MODES)} or set both to 0"
         )
     if cfg.backend == "torch":
         if cfg.parallel.world_size > 1:

@@ -1,7 +1,8 @@
-"""End-to-end int4 grid tuning (quantization.tune): the trainable grid reproduces the packed format exactly
-before training, tuning lowers the quantized model's distance to float32 on text it never saw while keeping
-the levels and format, a run that would make things worse leaves the grids as they were, and the config
-allows tuning only where there are int4 grids to tune."""
+"""int4 grid tuning (quantization.tune): the trainable grid reproduces the packed format exactly before
+training and moves levels only by whole steps; end-to-end tuning lowers the quantized model's distance to
+float32 on text it never saw while keeping the levels and format; block-wise tuning moves levels and lowers it
+too; a run that would make things worse leaves the grids as they were; and the config allows tuning only where
+there are int4 grids to tune."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from pipeline.backends.torch.build import build
 from pipeline.backends.torch.calibration import calibration_samples
 from pipeline.backends.torch.checkpoint import convert
-from pipeline.backends.torch.grid_tune import TunedGrid
 from pipeline.backends.torch.quantize import quantize
+from pipeline.backends.torch.tuned_grid import TunedGrid
 from pipeline.config import CalibrationConfig, load_build_config
 from pipeline.errors import ConfigError
 from pipeline.runtime.model_runner import ModelRunner
@@ -48,6 +49,34 @@ def test_untrained_grid_is_the_packed_weight() -> None:
     )
 
 
+def test_free_levels_move_by_whole_steps_and_pack() -> None:
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(4, 64, generator=gen)
+    qweight, scales, zeros = primitives.quantize_int4_groupwise(weight, GROUP)
+    levels = primitives.unpack_int4(qweight)
+    grid = TunedGrid(qweight, scales, zeros, GROUP)
+    grid.free_levels()
+    assert grid.level_change is not None
+    with torch.no_grad():
+        grid.level_change[0, 0, :3] = torch.tensor([0.4, 0.6, -0.7])
+    moved = levels.clone().to(torch.int16)
+    moved[0, 1] += 1
+    moved[0, 2] -= 1
+    moved = moved.clamp(0, 15).to(torch.uint8)
+    expected = primitives.dequantize_int4(primitives.pack_int4(moved), scales, zeros, GROUP)
+    torch.testing.assert_close(grid.weight(), expected, rtol=0, atol=1e-6)
+    grid.weight().sum().backward()  # straight-through: the offsets get the weights' gradient
+    assert grid.level_change.grad is not None and grid.level_change.grad.abs().sum() > 0
+    grid.fix_levels(keep=True)
+    assert grid.level_change is None
+    assert torch.equal(grid.qweight(), primitives.pack_int4(moved))
+    grid.free_levels()
+    with torch.no_grad():
+        grid.level_change.fill_(0.9)
+    grid.fix_levels(keep=False)
+    assert torch.equal(grid.qweight(), primitives.pack_int4(moved))
+
+
 def quantized(hf_dir: Path, root: Path, **tune: object) -> tuple[Path, dict]:
     cfg = tiny_config(
         hf_dir,
@@ -62,6 +91,19 @@ def quantized(hf_dir: Path, root: Path, **tune: object) -> tuple[Path, dict]:
     facts = quantize(cfg, root / "checkpoint", root / "quantized", hf_dir=hf_dir)
     build(cfg, root / "quantized", root / "engine")
     return root / "engine", facts
+
+
+def kl_to_float32(hf_dir: Path, engine_dir: Path) -> float:
+    """Mean KL of the engine's next-token distributions from HF float32's on a calibration draw no tuning saw."""
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    ids = calibration_samples(tokenizer, CALIBRATION.model_copy(update={"seed": 99}))[0]
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        reference = torch.log_softmax(hf(torch.tensor([ids])).logits[0], -1)
+    runner = ModelRunner.from_engine_dir(engine_dir, device="cpu")
+    logits = runner.score(ids, list(range(-(-len(ids) // runner.tokens_per_block))))
+    engine = torch.log_softmax(logits.float(), -1)
+    return float((reference.exp() * (reference - engine)).sum(-1).mean())
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases ride along with the fused rows
@@ -80,19 +122,23 @@ def test_tuning_brings_the_engine_closer_to_float32_on_unseen_text(
     assert not torch.equal(plain[f"{key}.scales"], tuned[f"{key}.scales"])
     assert (tuned[f"{key}.scales"] > 0).all()
 
-    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-    ids = calibration_samples(tokenizer, CALIBRATION.model_copy(update={"seed": 99}))[0]
-    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        reference = torch.log_softmax(hf(torch.tensor([ids])).logits[0], -1)
+    assert kl_to_float32(hf_dir, tuned_dir) < kl_to_float32(hf_dir, plain_dir)
 
-    def kl_to_reference(folder: Path) -> float:
-        runner = ModelRunner.from_engine_dir(folder, device="cpu")
-        logits = runner.score(ids, list(range(-(-len(ids) // runner.tokens_per_block))))
-        engine = torch.log_softmax(logits.float(), -1)
-        return float((reference.exp() * (reference - engine)).sum(-1).mean())
 
-    assert kl_to_reference(tuned_dir) < kl_to_reference(plain_dir)
+def test_block_tuning_moves_levels_by_one_and_lowers_the_held_out_error(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    plain_dir, _ = quantized(tiny_llama_dir, tmp_path / "plain", generated_samples=64)
+    # 64 sampled sequences: with the default 16, the tiny model's levels fit the tuning text, not the model
+    tuned_dir, facts = quantized(tiny_llama_dir, tmp_path / "tuned", block_steps=100, generated_samples=64)
+    tune, blocks = facts["tune"], facts["tune"]["blocks"]
+    assert tune["kept"] and tune["held_out_kl_after"] < tune["held_out_kl_before"]
+    assert blocks["blocks_kept"] >= 1 and blocks["levels_moved"] > 0
+    assert blocks["held_out_block_mse_after"] < blocks["held_out_block_mse_before"]
+    plain, tuned = (load_file(str(d / "rank0.safetensors")) for d in (plain_dir, tuned_dir))
+    changed = [k for k in plain if k.endswith(".qweight") and not torch.equal(plain[k], tuned[k])]
+    assert changed
+    for key in changed:  # no level moved by more than one
+        before, after = (primitives.unpack_int4(t[key]).to(torch.int16) for t in (plain, tuned))
+        assert int((after - before).abs().max()) == 1
 
 
 def test_a_run_that_does_not_help_leaves_the_grids_alone(tiny_llama_dir: Path, tmp_path: Path) -> None:

@@ -123,11 +123,11 @@ def layer_input_stats(
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     blocks = model.model.layers
     with torch.no_grad():
-        inputs = [_first_block_inputs(model, blocks[0], ids) for ids in samples]
+        inputs = [first_block_inputs(model, blocks[0], ids) for ids in samples]
     return sum(len(s) for s in samples), _walk_blocks(blocks, inputs, quantized_block)
 
 
-def _first_block_inputs(
+def first_block_inputs(
     model: torch.nn.Module, first: torch.nn.Module, ids: list[int]
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     # The model's own forward prepares what its blocks take (rotary cos/sin, causal mask, positions), so

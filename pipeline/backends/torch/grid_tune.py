@@ -1,8 +1,11 @@
-"""End-to-end tuning of int4 grids (quantization.tune): after rounding, each group's levels stay fixed and its
-scale and zero point are trained with Adam so that the quantized model's next-token distributions match the
-float32 model's (mean KL divergence) on the calibration text plus sequences sampled from the float model.
+"""Tuning of int4 grids after rounding (quantization.tune), on the calibration text plus sequences sampled from
+the float model, in two optional phases:
+1. block_steps (block_tune.py): per block, each weight's level may move by one and the grids are trained on the
+   block's own output error;
+2. steps (here): each group's scale and zero point are trained with Adam, levels fixed, so that the quantized
+   model's next-token distributions match the float32 model's (mean KL divergence).
 
-Why: GPTQ and the activation-aware search minimize each layer's own output error; the model's output
+Why end to end: GPTQ and the activation-aware search minimize each layer's own output error; the model's output
 error also depends on how those errors add up over 30 blocks, which only an end-to-end objective sees.
 Training only the grids (EfficientQAT's "E2E-QP" step, with the float model as the teacher) keeps the
 packed format and kernels unchanged and has few parameters (two per group), so a few thousand tokens of
@@ -11,7 +14,8 @@ random first token, then the float model's own samples) widen the text the grids
 calibration set. On SmolLM2-135M (int4_gptq, group 128, 120 steps) validate's perplexity delta vs float32
 went from +13.4 % to +10.1 % (benchmarks/NOTES.md, session 6).
 
-A share of the sequences is held out: the tuned grids are kept only when they lower the held-out KL.
+A share of the sequences is held out: the tuned grids are kept only when they lower the held-out KL (both phases
+together).
 """
 
 from __future__ import annotations
@@ -24,65 +28,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
+from pipeline.backends.torch.block_tune import tune_blocks
 from pipeline.backends.torch.calibration import calibration_samples, load_block
 from pipeline.backends.torch.checkpoint import LAYER_WEIGHTS
 from pipeline.backends.torch.quantize import LAYER_LINEARS
+from pipeline.backends.torch.tuned_grid import GridRows, TunedGrid, grid_optimizer
 from pipeline.config import CalibrationConfig, GridTuneConfig
-from pipeline.runtime.quant import primitives
 from pipeline.runtime.quant.linear import QuantLinear
 
 # Tuning sequences are cut to this many tokens: long enough for the attention patterns of real text, short
 # enough that a batch's activations stay a few hundred MB.
 SEQUENCE_LENGTH = 256
-# Zero points move in levels. A relative scale change c moves a group's outer levels by ~7.5c levels (half of
-# 15), so the zero points take steps of this many times the scales' for a comparable effect.
-ZERO_STEP = 5.0
 # Every HELD_OUT_EVERY-th sequence decides whether the tuned grids are kept instead of training them.
 HELD_OUT_EVERY = 8
-
-
-class TunedGrid(torch.nn.Module):
-    """One runtime int4 linear layer: fixed levels, trainable per-group scales and zero points."""
-
-    levels: torch.Tensor
-    base_scales: torch.Tensor
-    base_zeros: torch.Tensor
-
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int):
-        super().__init__()
-        levels = primitives.unpack_int4(qweight).to(torch.float32)
-        out_features, self.in_features = levels.shape
-        groups = scales.shape[1]
-        padded = F.pad(levels, (0, groups * group_size - self.in_features))
-        self.register_buffer("levels", padded.view(out_features, groups, group_size))
-        self.register_buffer("base_scales", scales.to(torch.float32))
-        self.register_buffer("base_zeros", zeros.to(torch.float32))
-        # A relative change keeps one learning rate right for groups whose scales differ by orders of magnitude.
-        self.scale_change = torch.nn.Parameter(torch.zeros_like(self.base_scales))
-        self.zero_change = torch.nn.Parameter(torch.zeros_like(self.base_zeros))
-
-    def scales(self, rows: slice = slice(None)) -> torch.Tensor:
-        return self.base_scales[rows] * (1 + self.scale_change[rows])
-
-    def zeros(self, rows: slice = slice(None)) -> torch.Tensor:
-        return self.base_zeros[rows] + self.zero_change[rows]
-
-    def weight(self, rows: slice = slice(None)) -> torch.Tensor:
-        w = (self.levels[rows] - self.zeros(rows)[..., None]) * self.scales(rows)[..., None]
-        return w.flatten(1)[:, : self.in_features]
-
-
-class GridRows(torch.nn.Module):
-    """An HF linear layer computed from its rows of a fused TunedGrid (q/k/v share attention.qkv)."""
-
-    def __init__(self, grid: TunedGrid, rows: slice, bias: torch.Tensor | None):
-        super().__init__()
-        self.grid, self.rows, self.bias = grid, rows, bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.grid.weight(self.rows), self.bias)
 
 
 def tune_int4_grids(
@@ -94,8 +53,8 @@ def tune_int4_grids(
     *,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Tune the scales and zeros of every block's int4 linear layer in `tensors` (quantized runtime layout,
-    replaced in place when the held-out KL improves). Returns the stage facts."""
+    """Tune the levels (block phase), scales and zeros of every block's int4 linear layer in `tensors` (quantized
+    runtime layout, replaced in place when the held-out KL improves). Returns the stage facts."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
@@ -110,16 +69,63 @@ def tune_int4_grids(
 
     student, grids = _student(teacher, tensors, group_size)
     kl_before = _mean_kl(teacher, student, held_out, tune.batch_size)
-    optimizer = torch.optim.Adam(
-        [
-            {"params": [g.scale_change for g in grids.values()], "lr": tune.learning_rate},
-            {"params": [g.zero_change for g in grids.values()], "lr": ZERO_STEP * tune.learning_rate},
-        ]
+    facts: dict[str, Any] = {}
+    if tune.block_steps:
+        full = (
+            [c for c in train if len(c) == SEQUENCE_LENGTH],
+            [c for c in held_out if len(c) == SEQUENCE_LENGTH],
+        )
+        if all(full):
+            facts["blocks"] = tune_blocks(
+                teacher,
+                student,
+                grids,
+                *full,
+                steps=tune.block_steps,
+                batch_size=tune.batch_size,
+                learning_rate=tune.learning_rate,
+                seed=calibration.seed,
+                progress=progress,
+            )
+        else:
+            facts["blocks"] = {"skipped": f"no {SEQUENCE_LENGTH}-token sequences to tune blocks on"}
+    if tune.steps:
+        _tune_end_to_end(teacher, student, list(grids.values()), train, tune, calibration.seed, progress)
+    kl_after = _mean_kl(teacher, student, held_out, tune.batch_size)
+    kept = kl_after < kl_before and all(
+        bool(torch.isfinite(g.scales()).all() and (g.scales() > 0).all()) for g in grids.values()
     )
+    if kept:
+        with torch.no_grad():
+            for prefix, grid in grids.items():
+                tensors[f"{prefix}.qweight"] = grid.qweight().contiguous()
+                tensors[f"{prefix}.scales"] = grid.scales().contiguous()
+                tensors[f"{prefix}.zeros"] = grid.zeros().contiguous()
+    return {
+        "steps": tune.steps,
+        **facts,
+        "tokens": sum(map(len, train)),
+        "held_out_tokens": sum(map(len, held_out)),
+        "held_out_kl_before": round(kl_before, 5),
+        "held_out_kl_after": round(kl_after, 5),
+        "kept": kept,
+    }
+
+
+def _tune_end_to_end(
+    teacher: Any,
+    student: Any,
+    grids: list[TunedGrid],
+    train: list[list[int]],
+    tune: GridTuneConfig,
+    seed: int,
+    progress: bool,
+) -> None:
+    optimizer = grid_optimizer(grids, tune.learning_rate)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * step / tune.steps))
     )
-    rng = random.Random(calibration.seed)
+    rng = random.Random(seed)
     bar = _bar(range(tune.steps), f"int4 grid tuning ({tune.steps} steps)", progress)
     for _ in bar:
         loss = _batch_kl(teacher, student, rng.sample(train, min(tune.batch_size, len(train))))
@@ -129,23 +135,6 @@ def tune_int4_grids(
         schedule.step()
         bar.set_postfix(kl=f"{loss.item():.4f}")
     bar.close()
-    kl_after = _mean_kl(teacher, student, held_out, tune.batch_size)
-    kept = kl_after < kl_before and all(
-        bool(torch.isfinite(g.scales()).all() and (g.scales() > 0).all()) for g in grids.values()
-    )
-    if kept:
-        with torch.no_grad():
-            for prefix, grid in grids.items():
-                tensors[f"{prefix}.scales"] = grid.scales().contiguous()
-                tensors[f"{prefix}.zeros"] = grid.zeros().contiguous()
-    return {
-        "steps": tune.steps,
-        "tokens": sum(map(len, train)),
-        "held_out_tokens": sum(map(len, held_out)),
-        "held_out_kl_before": round(kl_before, 5),
-        "held_out_kl_after": round(kl_after, 5),
-        "kept": kept,
-    }
 
 
 @torch.no_grad()

@@ -81,7 +81,7 @@ def quantize(cfg: BuildConfig, ckpt_dir: Path, out_dir: Path, hf_dir: Path | Non
             )
         for key, value in layer.state_tensors().items():
             tensors[f"{prefix}.{key}"] = value.contiguous()
-    if q.tune.steps:
+    if q.tune.enabled:
         from pipeline.backends.torch.grid_tune import tune_int4_grids
 
         assert group_size is not None  # config validation allows tuning for int4 modes only
@@ -120,7 +120,7 @@ def data_files(cfg: BuildConfig) -> dict[str, Path]:
     from pipeline.backends.torch.calibration import calibration_path
 
     q = cfg.quantization
-    if _is_activation_aware(q) or q.tune.steps:
+    if _is_activation_aware(q) or q.tune.enabled:
         return {"calibration": calibration_path(q.calibration.dataset)}
     return {}
 
