@@ -16,13 +16,13 @@ sequences drops.
 from __future__ import annotations
 
 import random
-import sys
 import time
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from pipeline.backends.torch.awq import progress_bar
 from pipeline.backends.torch.calibration import first_block_inputs
 from pipeline.backends.torch.tuned_grid import TunedGrid, grid_optimizer
 
@@ -55,7 +55,9 @@ def tune_blocks(
     moved = kept_blocks = 0
     error_before = error_after = 0.0
     blocks = list(zip(teacher.model.layers, student.model.layers, strict=True))
-    for index, (float_block, quantized_block) in enumerate(_bar(blocks, progress)):
+    for index, (float_block, quantized_block) in enumerate(
+        progress_bar(blocks, teacher.config.to_dict(), "int4 block tuning", progress)
+    ):
         block_grids = [g for key, g in grids.items() if key.startswith(f"transformer.layers.{index}.")]
         targets = _forward(float_block, inputs, kwargs)
         held_targets = _forward(float_block, held_inputs, kwargs)
@@ -118,9 +120,3 @@ def _forward(block: torch.nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any
     return torch.cat(
         [_call(block, hidden[i : i + BLOCK_BATCH], kwargs) for i in range(0, len(hidden), BLOCK_BATCH)]
     )
-
-
-def _bar(blocks: list[Any], progress: bool) -> Any:
-    from tqdm import tqdm
-
-    return tqdm(blocks, desc="int4 block tuning", unit="block", file=sys.stderr, disable=not progress)
