@@ -128,6 +128,12 @@ class GridTuneConfig(_Strict):
         ge=0,
         description="Sequences sampled from the float model to tune on besides the calibration set.",
     )
+    dataset: str | None = Field(
+        "builtin",
+        description="Text to tune on besides the calibration samples, joined into one stream: 'builtin' (English "
+        "prose written for llmpipe, pipeline/data/tune.jsonl), a JSONL/text file in the calibration set's forms, or "
+        "null for none.",
+    )
     batch_size: int = Field(4, ge=1, description="Sequences per tuning step.")
     learning_rate: float = Field(
         1e-3, gt=0, description="Adam step size of the scales (relative); zero points take 5x, in levels."

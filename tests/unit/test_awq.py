@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipeline.backends.torch.awq import Shape, apply_activation_aware_scales, fold_into_producers
 from pipeline.backends.torch.calibration import (
-    BUILTIN_CALIBRATION,
+    BUILTIN_DATASETS,
     HF_INPUT_MODULES,
     calibration_samples,
     layer_input_stats,
@@ -248,18 +248,19 @@ def test_fold_refuses_dense_scales_that_differ_within_a_kv_group(tiny_llama_dir:
 # --- calibration -------------------------------------------------------------------------------------
 
 
-def test_builtin_calibration_set_is_disjoint_from_the_eval_set() -> None:
+def test_builtin_calibration_and_tuning_texts_are_disjoint_from_the_eval_set() -> None:
     records = load_records("builtin")
     assert len(records) >= 32  # the default calibration.num_samples draws without repeats
     assert any(isinstance(r, list) for r in records) and any(isinstance(r, str) for r in records)
-    calib_text = BUILTIN_CALIBRATION.read_text(encoding="utf-8")
     eval_lines = [
         line
         for name in ("heldout.txt", "summarize.jsonl", "qa.jsonl")
         for line in (BUILTIN_DIR / name).read_text(encoding="utf-8").replace(". ", ".\n").splitlines()
     ]
-    shared = [line for line in eval_lines if len(line) > 40 and line in calib_text]
-    assert not shared, shared[:3]
+    for path in BUILTIN_DATASETS.values():  # the calibration set and the tuning text
+        text = path.read_text(encoding="utf-8")
+        shared = [line for line in eval_lines if len(line) > 40 and line in text]
+        assert not shared, (path.name, shared[:3])
 
 
 def test_calibration_samples_follow_the_config(tiny_llama_dir: Path) -> None:

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from pipeline.backends.torch.build import build
 from pipeline.backends.torch.calibration import calibration_samples
 from pipeline.backends.torch.checkpoint import convert
+from pipeline.backends.torch.grid_tune import SEQUENCE_LENGTH, tuning_text
 from pipeline.backends.torch.quantize import quantize
 from pipeline.backends.torch.tuned_grid import TunedGrid
 from pipeline.config import CalibrationConfig, load_build_config
@@ -115,6 +116,7 @@ def test_tuning_brings_the_engine_closer_to_float32_on_unseen_text(
     tuned_dir, facts = quantized(hf_dir, tmp_path / "tuned", steps=40, learning_rate=3e-3)
     tune = facts["tune"]
     assert tune["kept"] and tune["held_out_kl_after"] < tune["held_out_kl_before"]
+    assert tune["tuning_text_tokens"] >= 100 * SEQUENCE_LENGTH  # the shipped prose by default
 
     plain, tuned = (load_file(str(d / "rank0.safetensors")) for d in (plain_dir, tuned_dir))
     key = "transformer.layers.0.attention.qkv"
@@ -125,7 +127,9 @@ def test_tuning_brings_the_engine_closer_to_float32_on_unseen_text(
     assert kl_to_float32(hf_dir, tuned_dir) < kl_to_float32(hf_dir, plain_dir)
 
 
-def test_block_tuning_moves_levels_by_one_and_lowers_the_held_out_error(tiny_llama_dir: Path, tmp_path: Path) -> None:
+def test_block_tuning_moves_levels_by_one_and_lowers_the_held_out_error(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
     plain_dir, _ = quantized(tiny_llama_dir, tmp_path / "plain", generated_samples=64)
     # 64 sampled sequences: with the default 16, the tiny model's levels fit the tuning text, not the model
     tuned_dir, facts = quantized(tiny_llama_dir, tmp_path / "tuned", block_steps=100, generated_samples=64)
@@ -150,21 +154,38 @@ def test_a_run_that_does_not_help_leaves_the_grids_alone(tiny_llama_dir: Path, t
     assert all(torch.equal(plain[k], tuned[k]) for k in plain)
 
 
+def test_tuning_text_is_one_stream_of_its_records(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+
+    def ids(text: str) -> list[int]:
+        return list(tokenizer(text)["input_ids"])
+
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"text": "The first record."}\n{"text": "The second one."}\n')
+    separator = tokenizer("\n\n", add_special_tokens=False)["input_ids"]
+    assert tuning_text(tokenizer, str(path)) == ids("The first record.") + separator + ids("The second one.")
+    with pytest.raises(ConfigError, match=r"quantization.tune.dataset='missing.txt': .* is not a file"):
+        tuning_text(tokenizer, "missing.txt")
+    # the shipped prose outweighs the default calibration draw (32 records cut to 512 tokens) several times over
+    assert len(tuning_text(tokenizer, "builtin")) >= 100 * SEQUENCE_LENGTH
+
+
 def test_tuning_is_for_torch_int4_modes(tmp_path: Path) -> None:
-    def config(backend: str, mode: str) -> Path:
+    def config(backend: str, mode: str, **tune: object) -> Path:
         path = tmp_path / "c.yaml"
         path.write_text(
             yaml.safe_dump(
                 {
                     "source": {"kind": "local", "path": str(tmp_path)},
                     "backend": backend,
-                    "quantization": {"mode": mode, "tune": {"steps": 10}},
+                    "quantization": {"mode": mode, "tune": {"steps": 10, **tune}},
                 }
             )
         )
         return path
 
     assert load_build_config(config("torch", "int4_awq")).quantization.tune.steps == 10
+    assert load_build_config(config("torch", "int4_awq", dataset=None)).quantization.tune.dataset is None
     with pytest.raises(ConfigError, match=r"quantization.tune.steps=10 .* not mode=int8_wo on backend=torch"):
         load_build_config(config("torch", "int8_wo"))
     with pytest.raises(ConfigError, match=r"not mode=int4_awq on backend=trtllm"):

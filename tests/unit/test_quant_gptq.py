@@ -18,7 +18,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from pipeline.backends.torch.build import build
 from pipeline.backends.torch.calibration import (
     BUILTIN_CALIBRATION,
+    BUILTIN_DATASETS,
     HF_INPUT_MODULES,
+    TUNING_TEXT_FIELD,
     calibration_samples,
     layer_input_stats,
 )
@@ -290,7 +292,11 @@ def test_int4_gptq_is_a_torch_mode(tmp_path: Path) -> None:
     cfg = load_build_config(ROOT / "build_configs" / "smollm2-135m-int4-gptq.yaml")
     assert cfg.backend == "torch" and cfg.quantization.mode == "int4_gptq"
     assert cfg.quantization.quant_algo == "W4A16_GPTQ" and cfg.quantization.group_size == 128
-    assert data_files(cfg) == {"calibration": BUILTIN_CALIBRATION}  # editing the set redoes quantize
+    # editing either text redoes quantize
+    assert data_files(cfg) == {
+        "calibration": BUILTIN_CALIBRATION,
+        "tuning_text": BUILTIN_DATASETS[TUNING_TEXT_FIELD],
+    }
     with pytest.raises(ConfigError, match="quantization.mode=int4_gptq is not available on backend=trtllm"):
         load_build_config(write_config(tmp_path, "trtllm"))
     with pytest.raises(ConfigError, match="quantization.group_size=96 for mode=int4_gptq"):

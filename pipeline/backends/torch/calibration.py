@@ -22,7 +22,12 @@ from pipeline.config import CalibrationConfig
 from pipeline.errors import ConfigError, MissingArtifactError, UnsupportedModelError
 from pipeline.runtime.quant.awq import InputStats
 
-BUILTIN_CALIBRATION = Path(__file__).resolve().parents[2] / "data" / "calib.jsonl"
+DATA_DIR = Path(__file__).resolve().parents[2] / "data"
+BUILTIN_CALIBRATION = DATA_DIR / "calib.jsonl"
+CALIBRATION_FIELD = "quantization.calibration.dataset"
+TUNING_TEXT_FIELD = "quantization.tune.dataset"
+# What "builtin" names in each config field that takes a text file.
+BUILTIN_DATASETS = {CALIBRATION_FIELD: BUILTIN_CALIBRATION, TUNING_TEXT_FIELD: DATA_DIR / "tune.jsonl"}
 # Runtime linear layer (checkpoint.LAYER_WEIGHTS) -> the HF module whose input it shares: q, k and v read
 # the same normed hidden states, as do gate and up.
 HF_INPUT_MODULES: dict[str, str] = {
@@ -35,18 +40,19 @@ HF_INPUT_MODULES: dict[str, str] = {
 Record = str | list[dict[str, str]]  # plain text, or chat messages
 
 
-def calibration_path(dataset: str) -> Path:
-    """The file `dataset` names: "builtin" or a path (relative to the current directory)."""
-    return BUILTIN_CALIBRATION if dataset == "builtin" else Path(dataset).expanduser()
+def dataset_path(dataset: str, field: str = CALIBRATION_FIELD) -> Path:
+    """The file `dataset`, the value of config `field`, names: "builtin" or a path (relative to the current
+    directory)."""
+    return BUILTIN_DATASETS[field] if dataset == "builtin" else Path(dataset).expanduser()
 
 
-def load_records(dataset: str) -> list[Record]:
-    """The calibration records of `dataset` ("builtin" or a file; relative to the current directory)."""
-    path = calibration_path(dataset)
+def load_records(dataset: str, field: str = CALIBRATION_FIELD) -> list[Record]:
+    """The records of `dataset`, the value of config `field` ("builtin" or a file)."""
+    path = dataset_path(dataset, field)
     if not path.is_file():
         raise ConfigError(
-            f"quantization.calibration.dataset={dataset!r}: {path} is not a file",
-            hint="use 'builtin' or a JSONL/text file of calibration samples",
+            f"{field}={dataset!r}: {path} is not a file",
+            hint="use 'builtin' or a JSONL file of records, or plain text with blank lines between samples",
         )
     text = path.read_text(encoding="utf-8")
     records: list[Record] = []
@@ -57,7 +63,7 @@ def load_records(dataset: str) -> list[Record]:
     else:
         records = [part.strip() for part in text.split("\n\n") if part.strip()]
     if not records:
-        raise ConfigError(f"quantization.calibration.dataset={dataset!r}: {path} holds no samples")
+        raise ConfigError(f"{field}={dataset!r}: {path} holds no samples")
     return records
 
 
@@ -71,7 +77,7 @@ def _parse_record(obj: Any, where: str) -> Record:
     ):
         return [{"role": m["role"], "content": m["content"]} for m in messages]
     raise ConfigError(
-        f"{where}: a calibration record must be {{'text': str}} or {{'messages': [{{'role', 'content'}}, ...]}}"
+        f"{where}: a record must be {{'text': str}} or {{'messages': [{{'role', 'content'}}, ...]}}"
     )
 
 
@@ -80,18 +86,17 @@ def calibration_samples(tokenizer: Any, calibration: CalibrationConfig) -> list[
     `max_seq_length` tokens. Chat records go through the tokenizer's chat template when it has one."""
     records = load_records(calibration.dataset)
     chosen = random.Random(calibration.seed).sample(records, min(calibration.num_samples, len(records)))
-    samples = []
-    for record in chosen:
-        if isinstance(record, list):
-            if getattr(tokenizer, "chat_template", None):
-                text = tokenizer.apply_chat_template(record, tokenize=False)
-                ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            else:
-                ids = tokenizer("\n\n".join(m["content"] for m in record))["input_ids"]
-        else:
-            ids = tokenizer(record)["input_ids"]
-        samples.append(list(ids[: calibration.max_seq_length]))
-    return samples
+    return [record_ids(tokenizer, record)[: calibration.max_seq_length] for record in chosen]
+
+
+def record_ids(tokenizer: Any, record: Record) -> list[int]:
+    """The token ids of one record; chat records go through the tokenizer's chat template when it has one."""
+    if isinstance(record, list):
+        if getattr(tokenizer, "chat_template", None):
+            text = tokenizer.apply_chat_template(record, tokenize=False)
+            return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        return list(tokenizer("\n\n".join(m["content"] for m in record))["input_ids"])
+    return list(tokenizer(record)["input_ids"])
 
 
 class _Captured(Exception):

@@ -1,5 +1,6 @@
-"""Tuning of int4 grids after rounding (quantization.tune), on the calibration text plus sequences sampled from
-the float model, in two optional phases:
+"""Tuning of int4 grids after rounding (quantization.tune), on the calibration text, the tuning text
+(tune.dataset: by default ~66k tokens of English prose written for llmpipe) and sequences sampled from the float
+model, in two optional phases:
 1. block_steps (block_tune.py): per block, each weight's level may move by one and the grids are trained on the
    block's own output error;
 2. steps (here): each group's scale and zero point are trained with Adam, levels fixed, so that the quantized
@@ -11,8 +12,9 @@ Training only the grids (EfficientQAT's "E2E-QP" step, with the float model as t
 packed format and kernels unchanged and has few parameters (two per group), so a few thousand tokens of
 text do not overfit them the way they would the weights. Sampled sequences (LLM-QAT's data-free recipe:
 random first token, then the float model's own samples) widen the text the grids see beyond the
-calibration set. On SmolLM2-135M (int4_gptq, group 128, 120 steps) validate's perplexity delta vs float32
-went from +13.4 % to +10.1 % (benchmarks/NOTES.md, session 6).
+calibration set, but they are not the English a deployment reads; the tuning text is. On SmolLM2-135M
+(int4_gptq, group 128) validate's perplexity delta vs float32 went from +13.4 % untuned to +10.1 % (120 steps end
+to end), +8.5 % (80 block steps first) and +4.3 % (both on the tuning prose too; benchmarks/NOTES.md, sessions 6-8).
 
 A share of the sequences is held out: the tuned grids are kept only when they lower the held-out KL (both phases
 together).
@@ -30,7 +32,13 @@ from typing import Any
 import torch
 
 from pipeline.backends.torch.block_tune import tune_blocks
-from pipeline.backends.torch.calibration import calibration_samples, load_block
+from pipeline.backends.torch.calibration import (
+    TUNING_TEXT_FIELD,
+    calibration_samples,
+    load_block,
+    load_records,
+    record_ids,
+)
 from pipeline.backends.torch.checkpoint import LAYER_WEIGHTS
 from pipeline.backends.torch.quantize import LAYER_LINEARS
 from pipeline.backends.torch.tuned_grid import GridRows, TunedGrid, grid_optimizer
@@ -60,6 +68,8 @@ def tune_int4_grids(
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     teacher = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     sequences = [s for s in calibration_samples(tokenizer, calibration) if len(s) >= 2]
+    text = tuning_text(tokenizer, tune.dataset) if tune.dataset is not None else []
+    sequences += [text] if text else []
     sequences += sample_sequences(teacher, tokenizer, tune.generated_samples, calibration.seed, progress)
     chunks = [s[i : i + SEQUENCE_LENGTH] for s in sequences for i in range(0, len(s), SEQUENCE_LENGTH)]
     chunks = [c for c in chunks if len(c) >= 2]
@@ -104,6 +114,7 @@ def tune_int4_grids(
     return {
         "steps": tune.steps,
         **facts,
+        "tuning_text_tokens": len(text),
         "tokens": sum(map(len, train)),
         "held_out_tokens": sum(map(len, held_out)),
         "held_out_kl_before": round(kl_before, 5),
@@ -135,6 +146,16 @@ def _tune_end_to_end(
         schedule.step()
         bar.set_postfix(kl=f"{loss.item():.4f}")
     bar.close()
+
+
+def tuning_text(tokenizer: Any, dataset: str) -> list[int]:
+    """The records of `dataset` (quantization.tune.dataset) as one token stream, separated by blank lines, so that
+    it cuts into whole SEQUENCE_LENGTH-token sequences."""
+    separator = tokenizer("\n\n", add_special_tokens=False)["input_ids"]
+    stream: list[int] = []
+    for record in load_records(dataset, TUNING_TEXT_FIELD):
+        stream += (separator if stream else []) + record_ids(tokenizer, record)
+    return stream
 
 
 @torch.no_grad()

@@ -116,13 +116,16 @@ def quantize(cfg: BuildConfig, ckpt_dir: Path, out_dir: Path, hf_dir: Path | Non
 
 
 def data_files(cfg: BuildConfig) -> dict[str, Path]:
-    """The calibration file an activation-aware build reads: its contents key the stage's reuse."""
-    from pipeline.backends.torch.calibration import calibration_path
+    """The text files a calibrated or tuned build reads: their contents key the stage's reuse."""
+    from pipeline.backends.torch.calibration import TUNING_TEXT_FIELD, dataset_path
 
     q = cfg.quantization
+    files = {}
     if _is_activation_aware(q) or q.tune.enabled:
-        return {"calibration": calibration_path(q.calibration.dataset)}
-    return {}
+        files["calibration"] = dataset_path(q.calibration.dataset)
+    if q.tune.enabled and q.tune.dataset is not None:
+        files["tuning_text"] = dataset_path(q.tune.dataset, TUNING_TEXT_FIELD)
+    return files
 
 
 def _is_activation_aware(q: QuantizationConfig) -> bool:
