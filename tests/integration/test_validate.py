@@ -1,6 +1,7 @@
 """`llmpipe validate` end to end: the tiny fp32 engine agrees with its HF reference exactly, in process and
 served by Triton; a build with one layer zeroed fails, naming the metrics; SmolLM2 (slow) passes the exact
-gates in process and returns the reference's text through Triton."""
+gates in process and returns the reference's text through Triton, and its shipped int8 build passes the int8
+gates."""
 
 from __future__ import annotations
 
@@ -195,6 +196,25 @@ def test_smollm2_fp32_engine_passes_exact_gates(smollm2_build: Path) -> None:
     assert metrics["output_match"] == 1.0
     # a real model must also produce real summaries and answers
     assert metrics["rougeL_reference"] > 10 and metrics["exact_match_reference"] > 0.3
+
+
+@pytest.mark.slow
+def test_smollm2_int8_activation_aware_passes_the_int8_gates(smollm2_hf_dir: Path, tmp_path: Path) -> None:
+    """The shipped int8 config (W8A16, activation-aware) against the int8_wo defaults: greedy >= 0.97,
+    perplexity within 1 % (the int4 config's twin is test_quant_gptq.py's slow test)."""
+    root = Path(__file__).resolve().parents[2]
+    data = yaml.safe_load((root / "build_configs" / "smollm2-135m-int8-awq.yaml").read_text())
+    data |= {"source": {"kind": "local", "path": str(smollm2_hf_dir)}, "workdir": str(tmp_path / "build")}
+    config = tmp_path / "int8.yaml"
+    config.write_text(yaml.safe_dump(data))
+    code, _, err = _run(["build", str(config), "--until", "engine"])
+    assert code == 0, err
+    code, out, err = _run(["validate", str(config)])
+    assert code == 0, out + err
+    report = _report(config)
+    assert report["profile"] == "int8_wo"
+    gates = {row["metric"]: row for row in report["gates"]}
+    assert gates["greedy_agreement"]["threshold"] >= 0.97 and gates["ppl_delta_pct"]["threshold"] <= 1.0
 
 
 @pytest.mark.slow

@@ -306,7 +306,7 @@ def test_int4_gptq_is_a_torch_mode(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_smollm2_int4_gptq_passes_its_default_gates(smollm2_hf_dir: Path, tmp_path: Path) -> None:
+def test_smollm2_int4_gptq_passes_its_gates(smollm2_hf_dir: Path, tmp_path: Path) -> None:
     data = yaml.safe_load((ROOT / "build_configs" / "smollm2-135m-int4-gptq.yaml").read_text())
     data["source"] = {"kind": "local", "path": str(smollm2_hf_dir)}
     data["workdir"] = str(tmp_path / "build")
@@ -319,3 +319,5 @@ def test_smollm2_int4_gptq_passes_its_default_gates(smollm2_hf_dir: Path, tmp_pa
     report = json.loads((tmp_path / "build" / "validation" / "validation.json").read_text())
     assert report["profile"] == "int4_gptq"
     assert validated.exit_code == 0, validated.output
+    # the int4 group-128 target, set in the config over the mode's looser regression gate
+    assert {row["metric"]: row for row in report["gates"]}["ppl_delta_pct"]["threshold"] == 8.0
