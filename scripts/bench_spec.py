@@ -35,8 +35,8 @@ from pipeline.bench.report import load_1m
 from pipeline.bench.spec_workloads import code_edit_prompt, code_snippets
 from pipeline.bench.workloads import chat_ids, shipped_prompts
 from pipeline.errors import run_script
-from pipeline.runtime.engine import LLMEngine
-from pipeline.runtime.sampling_params import SamplingParams
+from pipeline.runtime.core.sampling_params import SamplingParams
+from pipeline.runtime.engine.llm_engine import LLMEngine
 from pipeline.runtime.spec_decode.metrics import spec_decode_stats
 
 

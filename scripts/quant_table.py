@@ -21,7 +21,7 @@ from typing import Any
 from pipeline.bench import report
 from pipeline.bench.builds import ensure_built
 from pipeline.bench.decode import decode_speed, random_prompts
-from pipeline.config import BuildConfig
+from pipeline.config.build_config import BuildConfig
 from pipeline.errors import run_script
 
 SMOLLM2 = "build_configs/smollm2-135m.yaml"
@@ -65,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _validation(cfg: BuildConfig) -> dict[str, Any]:
-    from pipeline.stages import STAGES
+    from pipeline.stages.chain import STAGES
     from pipeline.stages.runner import run_stage
     from pipeline.validate.stage import SPEC, load_report
 
@@ -81,7 +81,7 @@ def _validation(cfg: BuildConfig) -> dict[str, Any]:
 
 
 def _speeds(engine_dir: Path, prompt_len: int, new_tokens: int) -> dict[str, Any]:
-    from pipeline.runtime.engine import LLMEngine
+    from pipeline.runtime.engine.llm_engine import LLMEngine
 
     engine = LLMEngine.from_engine_dir(engine_dir)
     prompts = random_prompts(18, prompt_len, engine.runner.config.model.vocab_size)  # type: ignore[attr-defined]

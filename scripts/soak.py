@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.errors import ServingError  # noqa: E402
 from pipeline.serving.client import GenerationOptions, GrpcClient, HttpClient  # noqa: E402
-from pipeline.serving.health import group_processes  # noqa: E402
-from pipeline.serving.launcher import TritonServer  # noqa: E402
+from pipeline.serving.server.health import group_processes  # noqa: E402
+from pipeline.serving.server.launcher import TritonServer  # noqa: E402
 
 PROMPTS = [f"Soak prompt {i}: " + "word " * i for i in range(6)]
 MAX_TOKENS = 16
@@ -30,9 +30,9 @@ KINDS = ("unary", "stream", "cancel", "bad")
 
 
 def expected_texts(engine_dir: Path) -> dict[str, str]:
-    from pipeline.runtime.engine import LLMEngine
-    from pipeline.runtime.sampling_params import SamplingParams
-    from pipeline.serving.tokenization import PromptEncoder
+    from pipeline.runtime.core.sampling_params import SamplingParams
+    from pipeline.runtime.engine.llm_engine import LLMEngine
+    from pipeline.serving.triton_models.tokenization import PromptEncoder
 
     encoder = PromptEncoder.from_dir(engine_dir / "tokenizer")
     done = LLMEngine.from_engine_dir(engine_dir).generate(
@@ -147,8 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=20.0)
     parser.add_argument("--workers", type=int, default=4)
     args = parser.parse_args(argv)
-    from pipeline.serving.repository import render_model_repository
-    from pipeline.serving.server_cmd import ServerOptions
+    from pipeline.serving.repository.render import render_model_repository
+    from pipeline.serving.server.command import ServerOptions
     from pipeline.sources.tiny import make_tiny_checkpoint
     from tests.serving_helpers import build_tiny_engine, tiny_config
 

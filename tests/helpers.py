@@ -14,12 +14,12 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
-from pipeline.runtime.engine import LLMEngine
-from pipeline.runtime.outputs import RequestOutput, RunnerOutput, SchedulerOutput
-from pipeline.runtime.request import Request
-from pipeline.runtime.sampling_params import SamplingParams
-from pipeline.runtime.scheduler import Scheduler, SchedulerConfig
-from pipeline.runtime.stop_checker import check_stop
+from pipeline.runtime.core.outputs import RequestOutput, RunnerOutput, SchedulerOutput
+from pipeline.runtime.core.request import Request
+from pipeline.runtime.core.sampling_params import SamplingParams
+from pipeline.runtime.core.scheduler import Scheduler, SchedulerConfig
+from pipeline.runtime.core.stop_checker import check_stop
+from pipeline.runtime.engine.llm_engine import LLMEngine
 
 VOCAB_SIZE = 64
 WRONG_TOKEN = 10_000  # a draft token FakeRunner never samples

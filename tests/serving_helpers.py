@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import BuildConfig
+from pipeline.config.build_config import BuildConfig
 
 # max_seq_len leaves room for long generations, so that a cancellation lands before the request ends.
 ENGINE_LIMITS = {"max_batch_size": 16, "max_input_len": 256, "max_seq_len": 1024, "max_num_tokens": 512}
@@ -65,7 +65,7 @@ def require_tritonserver() -> None:
     import pytest
 
     from pipeline.errors import ServingError
-    from pipeline.serving.server_cmd import find_tritonserver
+    from pipeline.serving.server.command import find_tritonserver
 
     try:
         find_tritonserver()

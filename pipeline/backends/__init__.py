@@ -13,8 +13,8 @@ from typing import Any
 _STEPS: dict[str, dict[str, str]] = {
     "torch": {
         "convert": "pipeline.backends.torch.checkpoint:convert",
-        "quantize": "pipeline.backends.torch.quantize:quantize",
-        "quantize_data_files": "pipeline.backends.torch.quantize:data_files",
+        "quantize": "pipeline.quantize.run:quantize",
+        "quantize_data_files": "pipeline.quantize.run:data_files",
         "build": "pipeline.backends.torch.build:build",
     },
     "trtllm": {

@@ -4,16 +4,14 @@ to the one needed, each reused when its manifest matches."""
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.artifacts import require_manifest
-from pipeline.config import BuildConfig, load_build_config
-from pipeline.stages import PIPELINE, STAGES
+from pipeline.config.build_config import BuildConfig, load_build_config
+from pipeline.stages.chain import built_output, run_chain, stages_until
 from pipeline.stages.fetch import checkpoint_dir
-from pipeline.stages.runner import StageInput, run_stage, stage_dir
+from pipeline.stages.runner import StageInput
 
 PRECISION_OF_MODE = {
     "none": "fp32",
@@ -41,17 +39,10 @@ class Build:
 
 def ensure_built(config: str | Path, overrides: Sequence[str] = (), until: str = "engine") -> Build:
     cfg = load_build_config(str(config), list(overrides))
-    names = [spec.name for spec in PIPELINE]
-    dirs: dict[str, StageInput] = {}
-    for spec in PIPELINE[: names.index(until) + 1]:
-        start = time.monotonic()
-        result = run_stage(cfg, spec, STAGES)
-        verb = "reused" if result.reused else "built"
-        print(
-            f"[{cfg.name}] {spec.name}: {verb} in {time.monotonic() - start:.1f}s -> {result.dir}",
-            file=sys.stderr,
-        )
-        dirs[spec.name] = StageInput(result.dir, result.manifest)
+    results = run_chain(
+        cfg, stages_until(until), report=lambda line: print(f"[{cfg.name}] {line}", file=sys.stderr)
+    )
+    dirs = {name: StageInput(result.dir, result.manifest) for name, result in results.items()}
     return Build(
         cfg=cfg,
         hf_dir=checkpoint_dir(dirs["fetch"]),
@@ -62,14 +53,11 @@ def ensure_built(config: str | Path, overrides: Sequence[str] = (), until: str =
 
 def stage_output(cfg: BuildConfig, stage: str) -> Path:
     """A stage's output folder; MissingArtifactError naming the command to run when it was never built."""
-    folder = stage_dir(cfg, STAGES[stage])
-    require_manifest(folder, stage)
-    return folder
+    return built_output(cfg, stage).dir
 
 
 def fetched_checkpoint(cfg: BuildConfig) -> Path:
-    folder = stage_output(cfg, "fetch")
-    return checkpoint_dir(StageInput(folder, require_manifest(folder, "fetch")))
+    return checkpoint_dir(built_output(cfg, "fetch"))
 
 
 def gguf_source(cfg: BuildConfig) -> Path | None:

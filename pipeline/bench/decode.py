@@ -11,8 +11,8 @@ import random
 import time
 from typing import Any
 
-from pipeline.runtime.engine import LLMEngine
-from pipeline.runtime.sampling_params import SamplingParams
+from pipeline.runtime.core.sampling_params import SamplingParams
+from pipeline.runtime.engine.llm_engine import LLMEngine
 
 
 def random_prompts(count: int, length: int, vocab_size: int, seed: int = 0) -> list[list[int]]:

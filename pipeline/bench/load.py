@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from pipeline.bench.metrics import DraftCounts, RequestRecord, RunMetrics, run_duration, summarize
-from pipeline.bench.workloads import BenchRequest
+from pipeline.bench.requests import BenchRequest
 
 # Open loop without a concurrency cap still bounds its threads; far above anything a 2-core host sustains.
 _MAX_OPEN_LOOP_WORKERS = 512

@@ -14,7 +14,7 @@ import importlib
 import inspect
 from typing import Any
 
-from pipeline.bench.workloads import BenchRequest
+from pipeline.bench.requests import BenchRequest
 
 # (module, qualified name) of pure-Python standard-library functions to edit.
 CODE_SOURCES = (

@@ -14,8 +14,8 @@ from typing import Any
 from pipeline.bench import report
 from pipeline.bench.load import RunResult, Target, run_closed_loop, run_open_loop
 from pipeline.bench.peers import Peer
+from pipeline.bench.requests import BenchRequest
 from pipeline.bench.targets import ISSUE7_TARGETS, ISSUE9_TARGETS, Verdict, check, measurements
-from pipeline.bench.workloads import BenchRequest
 from pipeline.errors import ConfigError
 
 # --compare names -> (peer family, precisions)
@@ -229,7 +229,7 @@ class OursSpec:
     """Which llmpipe deployment to measure: an endpoint URL, or a build config served or loaded here."""
 
     endpoint: str | None  # a running Triton (host:port, grpc://, http://)
-    cfg: Any  # pipeline.config.BuildConfig when a config was given
+    cfg: Any  # pipeline.config.build_config.BuildConfig when a config was given
     in_process: bool
     protocol: str  # grpc | http, for a server started here
     model_name: str  # ensemble | tensorrt_llm
@@ -249,7 +249,7 @@ def speculative_overrides(cfg: Any, mode: str) -> dict[str, Any]:
     """LLMEngine.from_engine_dir keywords that run `mode` with the config's speculative settings,
     whatever the engine was built with."""
     from pipeline.bench.builds import stage_output
-    from pipeline.stages.runner import draft_engine_dir
+    from pipeline.config.workdir import draft_engine_dir
 
     if mode not in SPECULATION_MODES:
         raise ConfigError(
@@ -318,8 +318,8 @@ def run_llmpipe(
             return run_target(client, requests, warmup, plan, extra)
         finally:
             client.close()
-    from pipeline.serving.launcher import TritonServer
-    from pipeline.serving.server_cmd import ServerOptions
+    from pipeline.serving.server.command import ServerOptions
+    from pipeline.serving.server.launcher import TritonServer
 
     repo = stage_output(spec.cfg, "package")
     print(f"starting tritonserver on {repo} ...", file=sys.stderr)

@@ -17,9 +17,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from pipeline.bench.requests import BenchRequest
 from pipeline.errors import ConfigError, MissingArtifactError
+from pipeline.util.package_data import DATA_DIR
 
-SHIPPED_PROMPTS = Path(__file__).resolve().parents[1] / "data" / "bench_prompts.jsonl"
+SHIPPED_PROMPTS = DATA_DIR / "bench_prompts.jsonl"
 # Without a tokenizer, synthetic ids avoid the low ids where special tokens usually live.
 _RANDOM_ID_FLOOR = 100
 
@@ -27,20 +29,6 @@ _RANDOM_ID_FLOOR = 100
 # An HF tokenizer (encode(text, add_special_tokens=...) / decode(ids, skip_special_tokens=...)); typed
 # loosely because transformers' own signatures do not fit a Protocol.
 Tokenizer = Any
-
-
-@dataclass(frozen=True)
-class BenchRequest:
-    """One request of a workload. At least one of `prompt` / `input_ids` is set."""
-
-    index: int
-    output_tokens: int  # intended output length (sent as max_tokens, and min_tokens when forced)
-    input_ids: tuple[int, ...] | None = None
-    prompt: str | None = None
-
-    @property
-    def num_input_tokens(self) -> int:
-        return len(self.input_ids) if self.input_ids is not None else 0
 
 
 @dataclass(frozen=True)
@@ -165,7 +153,7 @@ def _read_jsonl(path: Path) -> list[dict[str, object]]:
 def chat_ids(tokenizer: Tokenizer, text: str) -> list[int]:
     """`text` as one user turn of the tokenizer's chat template, ready for the assistant's answer: the ids
     the serving preprocessing (serving.apply_chat_template) sends the engine."""
-    from pipeline.serving.tokenization import PromptEncoder
+    from pipeline.serving.triton_models.tokenization import PromptEncoder
 
     return PromptEncoder(tokenizer, end_ids=[], apply_chat_template=True).encode_prompt(text)
 
@@ -186,7 +174,7 @@ def tokenize(
                     hint="pass --tokenizer DIR (an HF tokenizer folder) or a dataset with input_ids",
                 )
             if chat_template and getattr(tokenizer, "chat_template", None):
-                from pipeline.serving.io import InvalidInputError
+                from pipeline.serving.triton_models.io import InvalidInputError
 
                 try:
                     ids = tuple(chat_ids(tokenizer, prompt or ""))

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.backends import backend_step
-from pipeline.config import BuildConfig
+from pipeline.config.build_config import BuildConfig
 from pipeline.stages.fetch import checkpoint_dir
 from pipeline.stages.runner import StageInput, StageSpec
 
@@ -26,7 +26,6 @@ def describe(cfg: BuildConfig, out: Path) -> list[str]:
 
 SPEC = StageSpec(
     name="convert",
-    dirname="checkpoint",
     config_sections=("backend", "dtype", "parallel", "engine", "quantization"),
     inputs=("fetch",),
     produce=produce,

@@ -6,7 +6,7 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import BuildConfig
+from pipeline.config.build_config import BuildConfig
 from pipeline.errors import MissingArtifactError
 from pipeline.stages.runner import StageInput, StageSpec
 
@@ -77,7 +77,6 @@ def describe(cfg: BuildConfig, out: Path) -> list[str]:
 
 SPEC = StageSpec(
     name="fetch",
-    dirname="hf",
     config_sections=("source",),
     inputs=(),
     produce=produce,

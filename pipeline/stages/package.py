@@ -5,12 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import BuildConfig
+from pipeline.config.build_config import BuildConfig
 from pipeline.stages.runner import StageInput, StageSpec
 
 
 def produce(cfg: BuildConfig, inputs: dict[str, StageInput], out: Path) -> dict[str, Any]:
-    from pipeline.serving.repository import render_model_repository
+    from pipeline.serving.repository.render import render_model_repository
 
     return dict(render_model_repository(cfg, inputs["engine"].dir, out))
 
@@ -26,7 +26,6 @@ def describe(cfg: BuildConfig, out: Path) -> list[str]:
 
 SPEC = StageSpec(
     name="package",
-    dirname="model_repo",
     config_sections=("backend", "serving", "engine", "kv_cache", "scheduler", "speculative"),
     inputs=("engine",),
     produce=produce,

@@ -7,7 +7,7 @@ from typing import Any
 
 from pipeline.artifacts import link_tree
 from pipeline.backends import backend_step
-from pipeline.config import BuildConfig
+from pipeline.config.build_config import BuildConfig
 from pipeline.stages.fetch import checkpoint_dir
 from pipeline.stages.runner import StageInput, StageSpec
 
@@ -42,7 +42,6 @@ def data_files(cfg: BuildConfig) -> dict[str, Path]:
 
 SPEC = StageSpec(
     name="quantize",
-    dirname="quantized",
     config_sections=("backend", "quantization"),
     inputs=("fetch", "convert"),
     produce=produce,

@@ -17,8 +17,8 @@ from pipeline.artifacts import (
     tool_versions,
     write_atomically,
 )
-from pipeline.config import BuildConfig, load_build_config, resolve_workdir
-from pipeline.errors import MissingArtifactError
+from pipeline.config.build_config import BuildConfig
+from pipeline.config.workdir import STAGE_DIRNAMES, stage_output_dir
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,6 @@ class StageInput:
 @dataclass(frozen=True)
 class StageSpec:
     name: str  # also the CLI subcommand
-    dirname: str  # folder under the work dir
     config_sections: tuple[str, ...]  # what the output depends on: its hash keys reuse
     inputs: tuple[str, ...]  # earlier stages whose outputs this one reads
     produce: Callable[[BuildConfig, dict[str, StageInput], Path], dict[str, Any]]
@@ -39,6 +38,10 @@ class StageSpec:
     # Files outside the work dir that the output depends on (e.g. calibration data): their digests key
     # reuse like an earlier stage's manifest does, so editing one redoes the stage.
     data_files: Callable[[BuildConfig], dict[str, Path]] = lambda cfg: {}
+
+    @property
+    def dirname(self) -> str:
+        return STAGE_DIRNAMES[self.name]
 
 
 @dataclass(frozen=True)
@@ -50,25 +53,7 @@ class StageResult:
 
 
 def stage_dir(cfg: BuildConfig, spec: StageSpec) -> Path:
-    return resolve_workdir(cfg) / spec.dirname
-
-
-def draft_engine_dir(cfg: BuildConfig, *, require_built: bool = True) -> tuple[BuildConfig, Path]:
-    """(the draft model's build config, its engine directory, resolved) for speculative.mode=draft_model;
-    speculative.draft_config is read from the current directory. With `require_built`, a draft engine that
-    was never built (no config.json) is a MissingArtifactError naming the build to run first."""
-    from pipeline.stages import STAGES  # the stage modules import this one
-
-    draft_config = cfg.speculative.draft_config
-    assert draft_config is not None  # the config validator requires it for mode=draft_model
-    draft = load_build_config(draft_config)
-    engine_dir = stage_dir(draft, STAGES["engine"]).resolve()
-    if require_built and not (engine_dir / "config.json").is_file():
-        raise MissingArtifactError(
-            f"speculative.draft_config={draft_config} has no engine at {engine_dir}",
-            hint=f"Build the draft model first: llmpipe build {draft_config}",
-        )
-    return draft, engine_dir
+    return stage_output_dir(cfg, spec.name)
 
 
 def load_inputs(cfg: BuildConfig, spec: StageSpec, specs: dict[str, StageSpec]) -> dict[str, StageInput]:

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import ConfigError, MissingArtifactError
+from pipeline.util.package_data import DATA_DIR
 
-BUILTIN_DIR = Path(__file__).resolve().parents[1] / "data" / "eval"
+BUILTIN_DIR = DATA_DIR / "eval"
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 
 from pipeline.errors import ConfigError
-from pipeline.runtime.engine import LLMEngine
-from pipeline.runtime.model_runner import ModelRunner
-from pipeline.runtime.request import Request
-from pipeline.runtime.sampling_params import SamplingParams
+from pipeline.runtime.core.request import Request
+from pipeline.runtime.core.sampling_params import SamplingParams
+from pipeline.runtime.engine.llm_engine import LLMEngine
+from pipeline.runtime.worker.model_runner import ModelRunner
 
 
 class EngineTarget:

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import BuildConfig
+from pipeline.config.build_config import BuildConfig
 from pipeline.errors import MissingArtifactError
 from pipeline.stages.fetch import checkpoint_dir
 from pipeline.stages.runner import StageInput

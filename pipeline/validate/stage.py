@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import BuildConfig
+from pipeline.config.build_config import BuildConfig
 from pipeline.stages.runner import StageInput, StageResult, StageSpec
 from pipeline.validate.report import REPORT_FILE, failures
 from pipeline.validate.run import run
@@ -47,7 +47,6 @@ def describe(cfg: BuildConfig, out: Path) -> list[str]:
 
 SPEC = StageSpec(
     name="validate",
-    dirname="validation",
     # quantization and dtype pick the default thresholds; the engine's digest covers everything it ran.
     config_sections=("validation", "quantization", "dtype"),
     inputs=("fetch", "engine"),

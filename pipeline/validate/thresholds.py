@@ -19,9 +19,9 @@ quantized and dequantized with runtime.quant.primitives, float32 compute, as the
     int4_gptq g128, prose    0.858   0.816   0.087    +4.5 %     -4.4          0.16
 
 ("activation-aware": per-input-channel scales and clipping ranges searched on the shipped calibration
-set, pipeline/backends/torch/awq.py; int8 with quantization.activation_aware, int4 as mode int4_awq.
+set, pipeline/quantize/awq.py; int8 with quantization.activation_aware, int4 as mode int4_awq.
 int4_gptq: the same scales, then GPTQ rounding with refitted grids on the same calibration set,
-pipeline/backends/torch/gptq.py; "tuned": then 120 steps of quantization.tune, backends/torch/grid_tune.py;
+pipeline/quantize/gptq.py; "tuned": then 120 steps of quantization.tune, backends/torch/grid_tune.py;
 "+blocks": 80 steps a block of tune.block_steps first, backends/torch/block_tune.py; "+prose": both phases
 also on the shipped tuning prose, tune.dataset; "prose": on the prose and calibration text but no text sampled
 from the model, as smollm2-135m-int4-gptq.yaml builds it.)
@@ -74,7 +74,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.config import ValidationThresholds
+from pipeline.config.build_config import ValidationThresholds
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """What the contract pins for one build config: the generated trtllm-build command line, the tensorrt_llm
 model parameters, the full rendered tensorrt_llm/config.pbtxt (the serving helper's template filled by
-pipeline.serving.repository.render_configs), the tensorrt_llm_bls parameters, and for draft-target the
+pipeline.serving.repository.render.render_configs), the tensorrt_llm_bls parameters, and for draft-target the
 draft model's config.pbtxt, as the text of the files kept in expected/<name>/ (reviewed by hand against
 REFERENCE.md). Paths are the work-dir layout relative to the current directory."""
 
@@ -14,8 +14,8 @@ from tritonclient.grpc import model_config_pb2
 
 from pipeline.backends.trtllm.build_cmd import format_argv, trtllm_build_argv
 from pipeline.backends.trtllm.triton_params import tensorrt_llm_parameters
-from pipeline.config import BuildConfig, load_build_config
-from pipeline.serving.repository import DRAFT_MODEL, DraftEngine, render_configs, templates_dir
+from pipeline.config.build_config import BuildConfig, load_build_config
+from pipeline.serving.repository.render import DRAFT_MODEL, DraftEngine, render_configs, templates_dir
 
 CONTRACT_DIR = Path(__file__).resolve().parent
 CONFIG_DIR = CONTRACT_DIR / "configs"

@@ -20,9 +20,9 @@ from tests import stub_pb_utils as pb
 
 pb.install()
 
-from pipeline.serving.bls import BlsModel  # noqa: E402
-from pipeline.serving.pbtxt import parse_model_config  # noqa: E402
-from pipeline.serving.repository import DRAFT_MODEL, DraftEngine, render_configs, templates_dir  # noqa: E402
+from pipeline.serving.repository.pbtxt import parse_model_config  # noqa: E402
+from pipeline.serving.repository.render import DRAFT_MODEL, DraftEngine, render_configs, templates_dir  # noqa: E402
+from pipeline.serving.triton_models.bls import BlsModel  # noqa: E402
 from tests.serving_helpers import tiny_config  # noqa: E402
 
 MAX_DRAFT_LEN = 3

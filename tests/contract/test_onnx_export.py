@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM
 from pipeline.backends.torch.build import build as torch_build
 from pipeline.backends.torch.checkpoint import convert as torch_convert
 from pipeline.backends.trtllm.inspect.onnx_export import INPUT_NAMES, OUTPUT_NAMES
-from pipeline.commands.inspect import inspect
-from pipeline.config import BuildConfig
+from pipeline.cli.inspect import inspect
+from pipeline.config.build_config import BuildConfig
 from pipeline.runtime.engine_config import load_engine_config
 
 

@@ -21,9 +21,9 @@ from pipeline.backends.trtllm.build_cmd import (
 )
 from pipeline.backends.trtllm.triton_params import tensorrt_llm_header, tensorrt_llm_parameters
 from pipeline.backends.trtllm.versions import FLAG_CHOICES, PINNED, RELEASES
-from pipeline.config import BACKEND_QUANT_MODES, BuildConfig
+from pipeline.config.build_config import BACKEND_QUANT_MODES, BuildConfig
 from pipeline.errors import ConfigError
-from pipeline.serving.repository import DRAFT_MODEL
+from pipeline.serving.repository.render import DRAFT_MODEL
 from tests.contract.render import (
     CONFIG_DIR,
     EXPECTED_DIR,

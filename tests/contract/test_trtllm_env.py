@@ -12,9 +12,9 @@ from onnx import TensorProto, helper
 
 from pipeline.backends.trtllm import env
 from pipeline.backends.trtllm.inspect.onnx_check import check_onnx_file, check_onnx_files
-from pipeline.commands.doctor import collect_report, doctor, format_table
+from pipeline.cli.doctor import collect_report, doctor, format_table
 from pipeline.errors import IntegrityError
-from pipeline.runtime.quant.kernels import build
+from pipeline.runtime.kernels import build
 
 
 def test_nvidia_smi_rows_parse_into_gpus() -> None:

@@ -12,7 +12,7 @@ import pytest
 from pipeline.artifacts import Manifest
 from pipeline.backends.trtllm import env, guards
 from pipeline.backends.trtllm.versions import release, release_for_runtime
-from pipeline.config import BuildConfig
+from pipeline.config.build_config import BuildConfig
 from pipeline.errors import ConfigError, ServingError
 
 A100 = env.Gpu(0, "NVIDIA A100-SXM4-80GB", "8.0", 81920, 80000)

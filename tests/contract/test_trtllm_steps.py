@@ -24,7 +24,7 @@ from pipeline.backends.trtllm import env
 from pipeline.backends.trtllm.convert import convert
 from pipeline.backends.trtllm.plan import plan
 from pipeline.backends.trtllm.quantize import quantize
-from pipeline.config import BuildConfig
+from pipeline.config.build_config import BuildConfig
 from pipeline.errors import BackendUnavailableError, ConfigError
 
 STAND_IN = Path(__file__).resolve().parents[1] / "stand_in_tensorrt_llm"

@@ -16,9 +16,9 @@ import yaml
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-from pipeline.cli import cli
-from pipeline.runtime.engine import LLMEngine
-from pipeline.runtime.sampling_params import SamplingParams
+from pipeline.cli.main import cli
+from pipeline.runtime.core.sampling_params import SamplingParams
+from pipeline.runtime.engine.llm_engine import LLMEngine
 
 # Bounds for the tiny random model (its logits are near-ties everywhere, so even a perfect 4-bit model
 # flips many of them): measured, int4 g32 of this model: round-to-nearest KL 1.7, top-1 0.03;

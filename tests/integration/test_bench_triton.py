@@ -10,10 +10,10 @@ import pytest
 
 from pipeline.bench.clients.triton import triton_target
 from pipeline.bench.load import run_closed_loop
-from pipeline.bench.workloads import BenchRequest
+from pipeline.bench.requests import BenchRequest
 from pipeline.errors import ServingError
-from pipeline.serving.launcher import TritonServer
-from pipeline.serving.server_cmd import ServerOptions
+from pipeline.serving.server.command import ServerOptions
+from pipeline.serving.server.launcher import TritonServer
 from tests.serving_helpers import require_tritonserver
 
 pytestmark = pytest.mark.triton

@@ -13,12 +13,12 @@ from transformers import AutoModelForCausalLM
 
 from pipeline.backends.torch.build import build
 from pipeline.backends.torch.checkpoint import convert
-from pipeline.config import build_config_from_dict
-from pipeline.runtime.engine import LLMEngine
-from pipeline.runtime.model_runner import ModelRunner
-from pipeline.runtime.quant import kernels
-from pipeline.runtime.sampling_params import SamplingParams
-from pipeline.runtime.scheduler import SchedulerConfig
+from pipeline.config.build_config import build_config_from_dict
+from pipeline.runtime.core.sampling_params import SamplingParams
+from pipeline.runtime.core.scheduler import SchedulerConfig
+from pipeline.runtime.engine.llm_engine import LLMEngine
+from pipeline.runtime.kernels import ops as kernels
+from pipeline.runtime.worker.model_runner import ModelRunner
 
 LIMITS = {"max_batch_size": 8, "max_input_len": 512, "max_seq_len": 1024, "max_num_tokens": 512}
 

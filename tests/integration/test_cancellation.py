@@ -38,9 +38,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pipeline.serving.launcher import TritonServer
-from pipeline.serving.repository import render_model_repository
-from pipeline.serving.server_cmd import ServerOptions
+from pipeline.serving.repository.render import render_model_repository
+from pipeline.serving.server.command import ServerOptions
+from pipeline.serving.server.launcher import TritonServer
 from tests.serving_helpers import build_tiny_engine, metric, require_tritonserver, scrape_metrics, tiny_config
 
 pytestmark = pytest.mark.triton

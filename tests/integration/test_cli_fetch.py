@@ -9,7 +9,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from pipeline.cli import cli
+from pipeline.cli.main import cli
 
 
 def _config(tmp: Path, source: dict, name: str = "t") -> Path:

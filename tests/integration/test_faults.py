@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 
 from pipeline.errors import IntegrityError
-from pipeline.runtime.async_engine import EngineThread
-from pipeline.runtime.engine import LLMEngine
-from pipeline.runtime.sampling_params import SamplingParams
-from pipeline.serving.health import python_stubs
+from pipeline.runtime.core.sampling_params import SamplingParams
+from pipeline.runtime.engine.async_engine import EngineThread
+from pipeline.runtime.engine.llm_engine import LLMEngine
+from pipeline.serving.server.health import python_stubs
 from tests.serving_helpers import build_tiny_engine, require_tritonserver
 
 POISON = "poison"

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pipeline.runtime.model.greedy_head import GreedyLMHead
-from pipeline.runtime.model_runner import ModelRunner
+from pipeline.runtime.worker.model_runner import ModelRunner
 from tests.integration.test_parity import assert_matches, make_engine_dir, mixed_case, run_engine
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -18,20 +18,20 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from pipeline.backends.torch.build import build
 from pipeline.backends.torch.checkpoint import convert
-from pipeline.backends.torch.quantize import quantize
-from pipeline.cli import cli
-from pipeline.config import BuildConfig, build_config_from_dict
+from pipeline.cli.main import cli
+from pipeline.config.build_config import BuildConfig, build_config_from_dict
 from pipeline.errors import ConfigError
-from pipeline.runtime.attn_metadata import SequenceChunk, build_attention_metadata
-from pipeline.runtime.engine import LLMEngine
+from pipeline.quantize.run import quantize
+from pipeline.runtime.core.sampling_params import SamplingParams
+from pipeline.runtime.core.scheduler import SchedulerConfig
+from pipeline.runtime.engine.llm_engine import LLMEngine
 from pipeline.runtime.engine_config import model_config_from_dict
-from pipeline.runtime.kv_cache import KVCache, bytes_per_block, num_kv_blocks
-from pipeline.runtime.kv_quant import dequantize_kv, quantize_kv
-from pipeline.runtime.model.cpu_kernels import load_paged_attention
+from pipeline.runtime.kernels.cpu_ops import load_paged_attention
 from pipeline.runtime.model.layers import KernelAttention, TorchAttention, rotary_cos_sin
-from pipeline.runtime.model_runner import ModelRunner
-from pipeline.runtime.sampling_params import SamplingParams
-from pipeline.runtime.scheduler import SchedulerConfig
+from pipeline.runtime.worker.attn_metadata import SequenceChunk, build_attention_metadata
+from pipeline.runtime.worker.kv_cache import KVCache, bytes_per_block, num_kv_blocks
+from pipeline.runtime.worker.kv_quant import dequantize_kv, quantize_kv
+from pipeline.runtime.worker.model_runner import ModelRunner
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LIMITS = {"max_batch_size": 16, "max_input_len": 512, "max_seq_len": 1024, "max_num_tokens": 512}
@@ -302,7 +302,7 @@ def test_int8_cache_holds_about_4x_the_blocks(
 ) -> None:
     """The same kv_free_memory_fraction admits 4 D / (D + 4) times the blocks: D int8 values and one fp32
     scale per token and head instead of D fp32 values."""
-    monkeypatch.setattr("pipeline.runtime.kv_cache.available_memory_bytes", lambda device: 2**27)
+    monkeypatch.setattr("pipeline.runtime.worker.kv_cache.available_memory_bytes", lambda device: 2**27)
     runners = {
         name: ModelRunner.from_engine_dir(engines[name], device="cpu", kv_free_memory_fraction=0.01)
         for name in ("fp32", "int8")

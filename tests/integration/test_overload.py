@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 
 from pipeline.errors import ServingError
-from pipeline.runtime.async_engine import EngineThread, QueueFullError
-from pipeline.runtime.engine import LLMEngine
-from pipeline.runtime.sampling_params import SamplingParams
+from pipeline.runtime.core.sampling_params import SamplingParams
+from pipeline.runtime.engine.async_engine import EngineThread, QueueFullError
+from pipeline.runtime.engine.llm_engine import LLMEngine
 from pipeline.serving.client import GenerationOptions, GrpcClient
-from pipeline.serving.launcher import TritonServer
-from pipeline.serving.repository import render_model_repository
-from pipeline.serving.server_cmd import ServerOptions
-from pipeline.serving.tokenization import PromptEncoder
+from pipeline.serving.repository.render import render_model_repository
+from pipeline.serving.server.command import ServerOptions
+from pipeline.serving.server.launcher import TritonServer
+from pipeline.serving.triton_models.tokenization import PromptEncoder
 from tests.serving_helpers import build_tiny_engine, metric, require_tritonserver, scrape_metrics, tiny_config
 
 MAX_BATCH, MAX_QUEUE = 2, 2

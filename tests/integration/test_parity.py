@@ -15,19 +15,19 @@ from transformers import AutoModelForCausalLM
 
 from pipeline.backends.torch.build import build
 from pipeline.backends.torch.checkpoint import convert
-from pipeline.config import build_config_from_dict
-from pipeline.runtime.attn_metadata import SequenceChunk, build_attention_metadata
-from pipeline.runtime.engine import LLMEngine
+from pipeline.config.build_config import build_config_from_dict
+from pipeline.runtime.core.outputs import ScheduledRequest, SchedulerOutput
+from pipeline.runtime.core.request import Request
+from pipeline.runtime.core.sampling_params import SamplingParams
+from pipeline.runtime.core.scheduler import SchedulerConfig
+from pipeline.runtime.engine.llm_engine import LLMEngine
 from pipeline.runtime.engine_config import model_config_from_dict
-from pipeline.runtime.kv_cache import KVCache
-from pipeline.runtime.model.cpu_kernels import load_paged_attention
+from pipeline.runtime.kernels.cpu_ops import load_paged_attention
 from pipeline.runtime.model.greedy_head import GreedyLMHead
 from pipeline.runtime.model.layers import KernelAttention, TorchAttention, rotary_cos_sin
-from pipeline.runtime.model_runner import ModelRunner
-from pipeline.runtime.outputs import ScheduledRequest, SchedulerOutput
-from pipeline.runtime.request import Request
-from pipeline.runtime.sampling_params import SamplingParams
-from pipeline.runtime.scheduler import SchedulerConfig
+from pipeline.runtime.worker.attn_metadata import SequenceChunk, build_attention_metadata
+from pipeline.runtime.worker.kv_cache import KVCache
+from pipeline.runtime.worker.model_runner import ModelRunner
 from pipeline.sources.tiny import make_tiny_checkpoint
 
 LOGPROB_TOLERANCE = 1e-4

@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from pipeline.runtime.engine import LLMEngine
-from pipeline.runtime.model_runner import ModelRunner
+from pipeline.runtime.engine.llm_engine import LLMEngine
+from pipeline.runtime.worker.model_runner import ModelRunner
 from pipeline.validate.engine_side import EngineTarget
 from tests.serving_helpers import build_tiny_engine
 

@@ -11,9 +11,9 @@ from types import ModuleType
 
 import pytest
 
-from pipeline.serving.launcher import TritonServer
-from pipeline.serving.repository import render_model_repository
-from pipeline.serving.server_cmd import ServerOptions
+from pipeline.serving.repository.render import render_model_repository
+from pipeline.serving.server.command import ServerOptions
+from pipeline.serving.server.launcher import TritonServer
 from tests.serving_helpers import build_tiny_engine, require_tritonserver, tiny_config
 
 pytestmark = pytest.mark.triton

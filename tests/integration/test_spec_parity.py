@@ -19,13 +19,13 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from pipeline.errors import MissingArtifactError
-from pipeline.runtime.engine import LLMEngine
-from pipeline.runtime.model_runner import ModelRunner
-from pipeline.runtime.request import Request
-from pipeline.runtime.sampling_params import SamplingParams
-from pipeline.runtime.scheduler import SchedulerConfig
+from pipeline.runtime.core.request import Request
+from pipeline.runtime.core.sampling_params import SamplingParams
+from pipeline.runtime.core.scheduler import SchedulerConfig
+from pipeline.runtime.engine.llm_engine import LLMEngine
 from pipeline.runtime.spec_decode.draft_model import DraftModelProposer
 from pipeline.runtime.spec_decode.proposer import NgramProposer, Proposer
+from pipeline.runtime.worker.model_runner import ModelRunner
 from tests.serving_helpers import build_tiny_engine
 
 LIMITS: dict[str, Any] = {

@@ -11,10 +11,10 @@ import yaml
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from pipeline.cli import cli
-from pipeline.runtime.engine import LLMEngine
+from pipeline.cli.main import cli
+from pipeline.runtime.core.sampling_params import SamplingParams
+from pipeline.runtime.engine.llm_engine import LLMEngine
 from pipeline.runtime.quant.linear import QuantLinear
-from pipeline.runtime.sampling_params import SamplingParams
 
 LINEARS = ("attention.qkv", "attention.dense", "mlp.gate_up", "mlp.proj")
 

@@ -21,13 +21,13 @@ import numpy as np
 import pytest
 
 from pipeline.errors import ServingError
-from pipeline.runtime.engine import LLMEngine
-from pipeline.runtime.sampling_params import SamplingParams
+from pipeline.runtime.core.sampling_params import SamplingParams
+from pipeline.runtime.engine.llm_engine import LLMEngine
 from pipeline.serving.client import GenerationOptions, GrpcClient, HttpClient
-from pipeline.serving.launcher import TritonServer
-from pipeline.serving.repository import render_model_repository
-from pipeline.serving.server_cmd import ServerOptions
-from pipeline.serving.tokenization import PromptEncoder
+from pipeline.serving.repository.render import render_model_repository
+from pipeline.serving.server.command import ServerOptions
+from pipeline.serving.server.launcher import TritonServer
+from pipeline.serving.triton_models.tokenization import PromptEncoder
 from tests.serving_helpers import (
     MULTIBYTE_PROMPT,
     build_tiny_engine,
@@ -279,7 +279,7 @@ def test_grpc_unary_equals_the_engine(unary: TritonServer, expected: dict, model
 def test_generate_command_prints_the_answer(streaming: TritonServer, expected: dict) -> None:
     from click.testing import CliRunner
 
-    from pipeline.commands.generate import generate
+    from pipeline.cli.generate import generate
 
     want = expected[(PROMPTS[1], MAX_TOKENS)]
     streamed = CliRunner().invoke(

@@ -15,13 +15,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pipeline.runtime.engine import LLMEngine
-from pipeline.runtime.sampling_params import SamplingParams
+from pipeline.runtime.core.sampling_params import SamplingParams
+from pipeline.runtime.engine.llm_engine import LLMEngine
 from pipeline.runtime.spec_decode.metrics import spec_decode_stats
-from pipeline.serving.launcher import TritonServer
-from pipeline.serving.repository import render_model_repository
-from pipeline.serving.server_cmd import ServerOptions
-from pipeline.serving.tokenization import PromptEncoder
+from pipeline.serving.repository.render import render_model_repository
+from pipeline.serving.server.command import ServerOptions
+from pipeline.serving.server.launcher import TritonServer
+from pipeline.serving.triton_models.tokenization import PromptEncoder
 from tests.serving_helpers import build_tiny_engine, metric, require_tritonserver, scrape_metrics, tiny_config
 
 pytestmark = pytest.mark.triton
@@ -178,7 +178,7 @@ def test_ensemble_and_bls_pass_the_acceptance_outputs_on(
 def test_bench_clients_count_every_token_and_read_the_drafts(server: TritonServer, protocol: str) -> None:
     from pipeline.bench.clients.triton import triton_target
     from pipeline.bench.load import run_closed_loop
-    from pipeline.bench.workloads import BenchRequest
+    from pipeline.bench.requests import BenchRequest
 
     url = f"{protocol}://{server.grpc_url if protocol == 'grpc' else server.http_url}"
     target = triton_target(url, "ensemble", min_tokens_equal_max=True)

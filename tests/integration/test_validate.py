@@ -18,8 +18,8 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from pipeline.artifacts import MANIFEST_NAME, list_files, read_manifest
-from pipeline.cli import cli
-from pipeline.config import ValidationThresholds
+from pipeline.cli.main import cli
+from pipeline.config.build_config import ValidationThresholds
 from tests.serving_helpers import require_tritonserver
 
 # Small enough for CI (~20 s on 2 cores): 3 summaries x 12 tokens, 3 questions, 3 held-out windows.
@@ -149,8 +149,8 @@ def test_help_teaches_with_examples() -> None:
 
 def _serve_and_validate(config: Path) -> tuple[int, str, str]:
     """Package the build, serve it with tritonserver and validate through its HTTP endpoint."""
-    from pipeline.serving.launcher import TritonServer
-    from pipeline.serving.server_cmd import ServerOptions
+    from pipeline.serving.server.command import ServerOptions
+    from pipeline.serving.server.launcher import TritonServer
 
     require_tritonserver()
     code, _, err = _run(["package", str(config)])

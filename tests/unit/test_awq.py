@@ -12,29 +12,30 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pipeline.backends.torch.awq import Shape, apply_activation_aware_scales, fold_into_producers
-from pipeline.backends.torch.calibration import (
-    BUILTIN_DATASETS,
-    HF_INPUT_MODULES,
-    calibration_samples,
-    layer_input_stats,
-    load_records,
-)
 from pipeline.backends.torch.checkpoint import (
     LAYER_WEIGHTS,
     QKV_BIAS_WEIGHTS,
     pretrained_config_from_hf,
     runtime_weights,
 )
-from pipeline.config import CalibrationConfig, load_build_config
+from pipeline.config.build_config import CalibrationConfig, load_build_config
 from pipeline.errors import ConfigError
-from pipeline.runtime.quant.awq import (
+from pipeline.quantize.awq import apply_activation_aware_scales, fold_into_producers
+from pipeline.quantize.awq_search import (
     InputStats,
     ScaleSearch,
     WeightFormat,
     output_error,
     search_clip,
     search_scales,
+)
+from pipeline.quantize.blocks import Shape
+from pipeline.quantize.calibration import (
+    BUILTIN_DATASETS,
+    HF_INPUT_MODULES,
+    calibration_samples,
+    layer_input_stats,
+    load_records,
 )
 from pipeline.validate.data import BUILTIN_DIR
 
@@ -214,8 +215,8 @@ def test_activation_aware_scaling_without_clipping_keeps_the_logits(
         scales = torch.exp(torch.randn(weight.shape[1], generator=gen))
         return ScaleSearch(scales if tie is None else tie(scales), 0.5, 1.0, 1.0)
 
-    monkeypatch.setattr("pipeline.backends.torch.awq.search_scales", random_scales)
-    monkeypatch.setattr("pipeline.backends.torch.awq.search_clip", lambda weight, moment, fmt: weight)
+    monkeypatch.setattr("pipeline.quantize.awq.search_scales", random_scales)
+    monkeypatch.setattr("pipeline.quantize.awq.search_clip", lambda weight, moment, fmt: weight)
     stats: dict[str, InputStats] = {}
     for name, module in HF_INPUT_MODULES.items():
         in_features = model.model.layers[0].get_submodule(module).in_features

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.cli import main
+from pipeline.cli.main import main
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TINY_CONFIG = str(REPO_ROOT / "build_configs" / "tiny-llama.yaml")
@@ -79,7 +79,7 @@ def test_in_process_run_writes_table_and_results(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from pipeline.bench import builds
-    from pipeline.runtime.engine import LLMEngine
+    from pipeline.runtime.engine.llm_engine import LLMEngine
     from tests.helpers import make_engine
 
     loaded: list[Path] = []

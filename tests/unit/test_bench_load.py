@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from pipeline.bench.load import poisson_offsets, run_closed_loop, run_open_loop, sweep_concurrency
-from pipeline.bench.workloads import BenchRequest
+from pipeline.bench.requests import BenchRequest
 
 TTFT_S = 0.05
 ITL_S = 0.01
@@ -148,7 +148,7 @@ def test_open_loop_concurrency_cap_and_duration_bound() -> None:
 
 def test_inprocess_target_streams_engine_thread_outputs_at_forced_length() -> None:
     from pipeline.bench.clients.inprocess import InProcessTarget
-    from pipeline.runtime.async_engine import EngineThread
+    from pipeline.runtime.engine.async_engine import EngineThread
     from tests.helpers import make_engine
 
     engine, _runner = make_engine(num_blocks=64, block_size=4)
@@ -167,7 +167,7 @@ def test_inprocess_target_streams_engine_thread_outputs_at_forced_length() -> No
 
 def test_inprocess_target_reports_engine_rejections_as_errors() -> None:
     from pipeline.bench.clients.inprocess import InProcessTarget
-    from pipeline.runtime.async_engine import EngineThread
+    from pipeline.runtime.engine.async_engine import EngineThread
     from tests.helpers import make_engine
 
     engine, _runner = make_engine(max_input_len=8)

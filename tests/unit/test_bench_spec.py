@@ -15,9 +15,10 @@ from pipeline.bench.clients.inprocess import InProcessTarget
 from pipeline.bench.clients.triton import draft_counts, ensemble_token_count
 from pipeline.bench.load import RunResult, run_closed_loop
 from pipeline.bench.metrics import DraftCounts, RequestRecord, summarize
+from pipeline.bench.requests import BenchRequest
 from pipeline.bench.targets import ISSUE9_TARGETS, check, measurements
-from pipeline.bench.workloads import BenchRequest, chat_ids, make_workload
-from pipeline.cli import main
+from pipeline.bench.workloads import chat_ids, make_workload
+from pipeline.cli.main import main
 from pipeline.errors import ConfigError, MissingArtifactError
 from tests.serving_helpers import build_tiny_engine, tiny_config
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.runtime.block_manager import BlockManager
-from pipeline.runtime.request import Request
-from pipeline.runtime.sampling_params import SamplingParams
+from pipeline.runtime.core.block_manager import BlockManager
+from pipeline.runtime.core.request import Request
+from pipeline.runtime.core.sampling_params import SamplingParams
 
 
 def _request(request_id: str, token_ids: list[int]) -> Request:

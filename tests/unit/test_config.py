@@ -8,8 +8,8 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from pipeline.cli import cli
-from pipeline.config import BuildConfig, load_build_config
+from pipeline.cli.main import cli
+from pipeline.config.build_config import BuildConfig, load_build_config
 from pipeline.errors import ConfigError
 from tests.conftest import REPO_ROOT
 

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 
 from pipeline.errors import ConfigError
-from pipeline.runtime.async_engine import EngineDeadError, EngineThread, QueueFullError, RequestStream
-from pipeline.runtime.engine import LLMEngine
+from pipeline.runtime.core.outputs import RequestOutput, RunnerOutput, SchedulerOutput
+from pipeline.runtime.core.request import RequestStatus
+from pipeline.runtime.core.sampling_params import SamplingParams
+from pipeline.runtime.engine.async_engine import EngineDeadError, EngineThread, QueueFullError, RequestStream
+from pipeline.runtime.engine.llm_engine import LLMEngine
 from pipeline.runtime.engine_config import engine_config_from_dict, write_engine_config
-from pipeline.runtime.outputs import RequestOutput, RunnerOutput, SchedulerOutput
-from pipeline.runtime.request import RequestStatus
-from pipeline.runtime.sampling_params import SamplingParams
 from tests.helpers import FakeRunner, make_config, make_engine, make_prompt, reference_output
 
 TIMEOUT_S = 10.0

@@ -14,15 +14,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.runtime.attn_metadata import SequenceChunk, build_attention_metadata
 from pipeline.runtime.engine_config import model_config_from_dict
-from pipeline.runtime.kv_cache import KVCache
+from pipeline.runtime.kernels import ops as kernels
+from pipeline.runtime.kernels import build
 from pipeline.runtime.model.fused_decoder import FusedDecoder
 from pipeline.runtime.model.layers import DenseLinear, ResidualRMSNorm, TorchAttention, rotary_cos_sin
-from pipeline.runtime.model.llama import LayerWeights, LlamaModel, LlamaWeights
-from pipeline.runtime.quant import kernels
-from pipeline.runtime.quant.kernels import build
+from pipeline.runtime.model.llama import LlamaModel
+from pipeline.runtime.model.weights import LayerWeights, LlamaWeights
 from pipeline.runtime.quant.linear import QuantLinear
+from pipeline.runtime.worker.attn_metadata import SequenceChunk, build_attention_metadata
+from pipeline.runtime.worker.kv_cache import KVCache
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -194,8 +195,8 @@ import torch, torch.nn.functional as F
 from pipeline.runtime.model.fused_decoder import FusedDecoder
 from pipeline.runtime.model.greedy_head import GreedyLMHead
 from pipeline.runtime.model.layers import DenseLinear
-from pipeline.runtime.quant import kernels
-from pipeline.runtime.quant.kernels.build import kernel_isa
+from pipeline.runtime.kernels import ops as kernels
+from pipeline.runtime.kernels.build import kernel_isa
 print("isa", kernel_isa(), "available", kernels.kernels_available())
 if kernels.kernels_available():
     torch.set_num_threads(2)
@@ -277,7 +278,7 @@ from pipeline.runtime.engine_config import model_config_from_dict
 from pipeline.runtime.model.fused_decoder import FusedDecoder
 from pipeline.runtime.model.greedy_head import GreedyLMHead
 from pipeline.runtime.model.layers import DenseLinear
-from pipeline.runtime.model.llama import LayerWeights, LlamaWeights
+from pipeline.runtime.model.weights import LayerWeights, LlamaWeights
 config = model_config_from_dict({
     "architecture": "LlamaForCausalLM", "dtype": "float32", "vocab_size": 50, "hidden_size": 64,
     "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,

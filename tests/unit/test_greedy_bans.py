@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.runtime.engine import LLMEngine
-from pipeline.runtime.sampling_params import SamplingParams
+from pipeline.runtime.core.sampling_params import SamplingParams
+from pipeline.runtime.engine.llm_engine import LLMEngine
 from tests.serving_helpers import build_tiny_engine
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 3, 42], [7, 7, 7, 7, 7, 7, 7]]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pipeline.runtime.kernels import ops as kernels
 from pipeline.runtime.model.greedy_head import GreedyLMHead
-from pipeline.runtime.quant import kernels
 
 pytestmark = pytest.mark.skipif(
     not kernels.kernels_available(), reason=f"kernels unavailable: {kernels.kernels_unavailable_reason()}"

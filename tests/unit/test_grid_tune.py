@@ -15,15 +15,15 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipeline.backends.torch.build import build
-from pipeline.backends.torch.calibration import calibration_samples
 from pipeline.backends.torch.checkpoint import convert
-from pipeline.backends.torch.grid_tune import SEQUENCE_LENGTH, tuning_text
-from pipeline.backends.torch.quantize import quantize
-from pipeline.backends.torch.tuned_grid import TunedGrid
-from pipeline.config import CalibrationConfig, load_build_config
+from pipeline.config.build_config import CalibrationConfig, load_build_config
 from pipeline.errors import ConfigError
-from pipeline.runtime.model_runner import ModelRunner
+from pipeline.quantize.calibration import calibration_samples
+from pipeline.quantize.run import quantize
+from pipeline.quantize.tune.grid import SEQUENCE_LENGTH, tuning_text
+from pipeline.quantize.tune.trainable_grid import TunedGrid
 from pipeline.runtime.quant import primitives
+from pipeline.runtime.worker.model_runner import ModelRunner
 from tests.serving_helpers import tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

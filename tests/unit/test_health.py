@@ -1,4 +1,4 @@
-"""The serve watchdog's health checks (pipeline/serving/health.py) on a fake /proc: stubs found by process
+"""The serve watchdog's health checks (pipeline/serving/server/health.py) on a fake /proc: stubs found by process
 group, a dead or zombie stub named, a server unready past its grace period. The real thing (a SIGKILLed stub
 under `llmpipe serve`) is tests/integration/test_faults.py."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from pipeline.serving.health import HealthWatch, group_processes, python_stubs
+from pipeline.serving.server.health import HealthWatch, group_processes, python_stubs
 
 SERVER, OTHER_GROUP = 100, 900
 STUB = "/tmp/run/backends/python/triton_python_backend_stub"

@@ -14,8 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.runtime.quant import kernels, primitives
-from pipeline.runtime.quant.kernels.build import compile_cached
+from pipeline.runtime.kernels import ops as kernels
+from pipeline.runtime.kernels.build import compile_cached
+from pipeline.runtime.quant import primitives
 from pipeline.runtime.quant.linear import QuantLinear, fp32_linear
 
 ROOT = Path(__file__).resolve().parents[2]

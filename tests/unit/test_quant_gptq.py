@@ -16,7 +16,12 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipeline.backends.torch.build import build
-from pipeline.backends.torch.calibration import (
+from pipeline.backends.torch.checkpoint import convert
+from pipeline.cli.main import cli
+from pipeline.config.build_config import CalibrationConfig, load_build_config
+from pipeline.errors import ConfigError
+from pipeline.quantize.awq_search import InputStats, WeightFormat, output_error, search_clip
+from pipeline.quantize.calibration import (
     BUILTIN_CALIBRATION,
     BUILTIN_DATASETS,
     HF_INPUT_MODULES,
@@ -24,24 +29,19 @@ from pipeline.backends.torch.calibration import (
     calibration_samples,
     layer_input_stats,
 )
-from pipeline.backends.torch.checkpoint import convert
-from pipeline.backends.torch.quantize import LAYER_LINEARS, data_files, quantize
-from pipeline.cli import cli
-from pipeline.config import CalibrationConfig, load_build_config
-from pipeline.errors import ConfigError
-from pipeline.runtime.engine import LLMEngine
-from pipeline.runtime.model_runner import ModelRunner
-from pipeline.runtime.quant import primitives
-from pipeline.runtime.quant.awq import InputStats, WeightFormat, output_error, search_clip
-from pipeline.runtime.quant.gptq import (
+from pipeline.quantize.gptq_solver import (
     damped_hessian,
     gptq_int4,
     gptq_levels,
     inverse_hessian_factor,
     refit_grid,
 )
+from pipeline.quantize.run import LAYER_LINEARS, data_files, quantize
+from pipeline.runtime.core.sampling_params import SamplingParams
+from pipeline.runtime.engine.llm_engine import LLMEngine
+from pipeline.runtime.quant import primitives
 from pipeline.runtime.quant.linear import QuantLinear
-from pipeline.runtime.sampling_params import SamplingParams
+from pipeline.runtime.worker.model_runner import ModelRunner
 from tests.serving_helpers import tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

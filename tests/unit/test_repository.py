@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 
 from pipeline.errors import ConfigError, MissingArtifactError
-from pipeline.serving import client, io
-from pipeline.serving.launcher import failure_lines, with_free_ports
-from pipeline.serving.pbtxt import parse_model_config
-from pipeline.serving.repository import MODELS, render_model_repository, templates_dir
-from pipeline.serving.server_cmd import ServerOptions, TritonInstall, mpi_command, server_args, server_env
+from pipeline.serving import client
+from pipeline.serving.repository.pbtxt import parse_model_config
+from pipeline.serving.repository.render import MODELS, render_model_repository, templates_dir
+from pipeline.serving.server.command import ServerOptions, TritonInstall, mpi_command, server_args, server_env
+from pipeline.serving.server.launcher import failure_lines, with_free_ports
+from pipeline.serving.triton_models import io
 from tests.serving_helpers import build_tiny_engine, tiny_config
 
 
@@ -244,7 +245,7 @@ def test_failure_lines_pick_the_failing_model_and_free_ports_are_concrete() -> N
 def test_serve_dry_run_prints_a_loopback_command(repo: Path) -> None:
     from click.testing import CliRunner
 
-    from pipeline.commands.serve import serve
+    from pipeline.cli.serve import serve
 
     result = CliRunner().invoke(serve, [str(repo), "--dry-run", "--http-port", "9000"])
     assert result.exit_code == 0, result.output
@@ -257,7 +258,7 @@ def test_serve_explains_what_is_missing(
 ) -> None:
     from click.testing import CliRunner
 
-    from pipeline.commands.serve import serve
+    from pipeline.cli.serve import serve
     from pipeline.errors import BackendUnavailableError
 
     not_a_repo = CliRunner().invoke(serve, [str(tmp_path)])
@@ -273,7 +274,7 @@ def test_serve_explains_what_is_missing(
     assert f"llmpipe build {config}" in (unbuilt.exception.hint or "")
     trt = tmp_path / "trt"
     render_model_repository(tiny_config(tiny_llama_dir, backend="trtllm"), engine_dir, trt)
-    monkeypatch.setattr("pipeline.commands.serve.find_tritonserver", lambda: BUNDLED)
+    monkeypatch.setattr("pipeline.cli.serve.find_tritonserver", lambda: BUNDLED)
     refused = CliRunner().invoke(serve, [str(trt)])
     assert isinstance(refused.exception, BackendUnavailableError) and "trtllm" in (
         refused.exception.hint or ""

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import torch
 
-from pipeline.runtime import model_runner
-from pipeline.runtime.engine import LLMEngine
-from pipeline.runtime.sampling_params import SamplingParams
+from pipeline.runtime.core.sampling_params import SamplingParams
+from pipeline.runtime.engine.llm_engine import LLMEngine
+from pipeline.runtime.worker import model_runner
 from tests.serving_helpers import build_tiny_engine
 
 

@@ -14,8 +14,9 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from pipeline.runtime.request import Request
-from pipeline.runtime.sampler import (
+from pipeline.runtime.core.request import Request
+from pipeline.runtime.core.sampling_params import SamplingParams
+from pipeline.runtime.worker.sampler import (
     Sampler,
     SampleRow,
     accept_drafts,
@@ -23,7 +24,6 @@ from pipeline.runtime.sampler import (
     process_logits,
     sample_from,
 )
-from pipeline.runtime.sampling_params import SamplingParams
 
 VOCAB = 50
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.runtime.outputs import SchedulerOutput
-from pipeline.runtime.request import Request, RequestStatus
-from pipeline.runtime.sampling_params import SamplingParams
-from pipeline.runtime.scheduler import SchedulerConfig
+from pipeline.runtime.core.outputs import SchedulerOutput
+from pipeline.runtime.core.request import Request, RequestStatus
+from pipeline.runtime.core.sampling_params import SamplingParams
+from pipeline.runtime.core.scheduler import SchedulerConfig
 from tests.helpers import (
     WRONG_TOKEN,
     FakeRunner,

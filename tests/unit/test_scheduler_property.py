@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from pipeline.runtime.request import Request
-from pipeline.runtime.sampling_params import SamplingParams
-from pipeline.runtime.scheduler import POLICIES
+from pipeline.runtime.core.request import Request
+from pipeline.runtime.core.sampling_params import SamplingParams
+from pipeline.runtime.core.scheduler import POLICIES
 from tests.helpers import (
     WRONG_TOKEN,
     FakeRunner,

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import ServingConfig, load_build_config
+from pipeline.config.build_config import ServingConfig, load_build_config
 from pipeline.errors import ConfigError, PipelineError
-from pipeline.serving.server_cmd import ServerOptions, server_args
+from pipeline.serving.server.command import ServerOptions, server_args
 
 SECRET = "hf_SECRETxyz"
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -13,9 +13,9 @@ from tests import stub_pb_utils
 
 stub_pb_utils.install()
 
-from pipeline.runtime.outputs import RequestOutput  # noqa: E402
-from pipeline.serving.detokenizer import IncrementalDetokenizer, decode_all  # noqa: E402
-from pipeline.serving.io import (  # noqa: E402
+from pipeline.runtime.core.outputs import RequestOutput  # noqa: E402
+from pipeline.serving.triton_models.detokenizer import IncrementalDetokenizer, decode_all  # noqa: E402
+from pipeline.serving.triton_models.io import (  # noqa: E402
     EngineLimits,
     EngineRequest,
     InvalidInputError,
@@ -25,10 +25,10 @@ from pipeline.serving.io import (  # noqa: E402
     sequences_to_word_list,
     word_list_to_sequences,
 )
-from pipeline.serving.postprocessing import postprocess  # noqa: E402
-from pipeline.serving.preprocessing import preprocess  # noqa: E402
-from pipeline.serving.streams import RequestState  # noqa: E402
-from pipeline.serving.tokenization import PromptEncoder, decode_text, load_tokenizer  # noqa: E402
+from pipeline.serving.triton_models.postprocessing import postprocess  # noqa: E402
+from pipeline.serving.triton_models.preprocessing import preprocess  # noqa: E402
+from pipeline.serving.triton_models.streams import RequestState  # noqa: E402
+from pipeline.serving.triton_models.tokenization import PromptEncoder, decode_text, load_tokenizer  # noqa: E402
 from tests.serving_helpers import MULTIBYTE_PROMPT  # noqa: E402
 
 LIMITS = EngineLimits(max_input_len=32, max_seq_len=64, vocab_size=2000)

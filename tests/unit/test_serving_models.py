@@ -18,16 +18,16 @@ from tests import stub_pb_utils as pb
 
 pb.install()
 
-from pipeline.runtime.engine import LLMEngine  # noqa: E402
-from pipeline.runtime.sampling_params import SamplingParams  # noqa: E402
-from pipeline.serving.bls import BlsModel  # noqa: E402
-from pipeline.serving.pbtxt import parse_model_config  # noqa: E402
-from pipeline.serving.postprocessing import PostprocessingModel  # noqa: E402
-from pipeline.serving.preprocessing import PreprocessingModel  # noqa: E402
-from pipeline.serving.repository import render_model_repository  # noqa: E402
-from pipeline.serving.tokenization import load_tokenizer  # noqa: E402
-from pipeline.serving.triton_model import TorchEngineModel  # noqa: E402
-from pipeline.serving.triton_utils import ParameterError  # noqa: E402
+from pipeline.runtime.core.sampling_params import SamplingParams  # noqa: E402
+from pipeline.runtime.engine.llm_engine import LLMEngine  # noqa: E402
+from pipeline.serving.repository.pbtxt import parse_model_config  # noqa: E402
+from pipeline.serving.repository.render import render_model_repository  # noqa: E402
+from pipeline.serving.triton_models.bls import BlsModel  # noqa: E402
+from pipeline.serving.triton_models.engine_model import TorchEngineModel  # noqa: E402
+from pipeline.serving.triton_models.postprocessing import PostprocessingModel  # noqa: E402
+from pipeline.serving.triton_models.preprocessing import PreprocessingModel  # noqa: E402
+from pipeline.serving.triton_models.tokenization import load_tokenizer  # noqa: E402
+from pipeline.serving.triton_models.triton_utils import ParameterError  # noqa: E402
 from tests.serving_helpers import MULTIBYTE_PROMPT, build_tiny_engine, tiny_config  # noqa: E402
 
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import load_build_config
+from pipeline.config.build_config import load_build_config
 from pipeline.errors import ConfigError
-from pipeline.serving.priority import lower_priority
+from pipeline.serving.triton_models.priority import lower_priority
 from tests.conftest import REPO_ROOT
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads Linux /proc")

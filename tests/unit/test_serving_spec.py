@@ -22,13 +22,13 @@ from tests import stub_pb_utils as pb
 pb.install()
 
 from pipeline.errors import MissingArtifactError  # noqa: E402
-from pipeline.runtime.engine import LLMEngine  # noqa: E402
-from pipeline.runtime.sampling_params import SamplingParams  # noqa: E402
-from pipeline.serving.bls import BlsModel  # noqa: E402
-from pipeline.serving.io import SPEC_OUTPUTS  # noqa: E402
-from pipeline.serving.pbtxt import parse_model_config  # noqa: E402
-from pipeline.serving.repository import DRAFT_MODEL, render_model_repository  # noqa: E402
-from pipeline.serving.triton_model import TorchEngineModel  # noqa: E402
+from pipeline.runtime.core.sampling_params import SamplingParams  # noqa: E402
+from pipeline.runtime.engine.llm_engine import LLMEngine  # noqa: E402
+from pipeline.serving.repository.pbtxt import parse_model_config  # noqa: E402
+from pipeline.serving.repository.render import DRAFT_MODEL, render_model_repository  # noqa: E402
+from pipeline.serving.triton_models.bls import BlsModel  # noqa: E402
+from pipeline.serving.triton_models.engine_model import TorchEngineModel  # noqa: E402
+from pipeline.serving.triton_models.io import SPEC_OUTPUTS  # noqa: E402
 from tests.serving_helpers import build_tiny_engine, tiny_config  # noqa: E402
 
 SELF_DRAFT = {"mode": "draft_model", "max_draft_len": 3, "draft_config": "draft.yaml"}

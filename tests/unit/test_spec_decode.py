@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 
 from pipeline.errors import ConfigError, UnsupportedModelError
-from pipeline.runtime.engine import LLMEngine
+from pipeline.runtime.core.outputs import RunnerOutput, SchedulerOutput
+from pipeline.runtime.core.request import Request, RequestStatus
+from pipeline.runtime.core.sampling_params import SamplingParams
+from pipeline.runtime.engine.llm_engine import LLMEngine
 from pipeline.runtime.engine_config import engine_config_from_dict
-from pipeline.runtime.outputs import RunnerOutput, SchedulerOutput
-from pipeline.runtime.request import Request, RequestStatus
-from pipeline.runtime.sampling_params import SamplingParams
 from pipeline.runtime.spec_decode import adaptive
 from pipeline.runtime.spec_decode.adaptive import AdaptiveDraftLength
 from pipeline.runtime.spec_decode.draft_model import DraftModelProposer

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from pipeline.runtime.request import RequestStatus
-from pipeline.runtime.sampling_params import SamplingParams
-from pipeline.runtime.stop_checker import check_stop
+from pipeline.runtime.core.request import RequestStatus
+from pipeline.runtime.core.sampling_params import SamplingParams
+from pipeline.runtime.core.stop_checker import check_stop
 
 
 def test_check_stop() -> None:

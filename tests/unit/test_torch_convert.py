@@ -17,16 +17,16 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from pipeline.backends.torch.build import build
 from pipeline.backends.torch.checkpoint import convert, pretrained_config_from_hf
-from pipeline.config import BuildConfig, build_config_from_dict
+from pipeline.config.build_config import BuildConfig, build_config_from_dict
 from pipeline.errors import ConfigError, MissingArtifactError, UnsupportedModelError
+from pipeline.runtime.core.outputs import ScheduledRequest, SchedulerOutput
+from pipeline.runtime.core.request import Request
+from pipeline.runtime.core.sampling_params import SamplingParams
 from pipeline.runtime.engine_config import load_engine_config, model_config_from_dict
 from pipeline.runtime.model.layers import DenseLinear, rotary_cos_sin
-from pipeline.runtime.model_runner import ModelRunner
-from pipeline.runtime.outputs import ScheduledRequest, SchedulerOutput
 from pipeline.runtime.quant.linear import QuantLinear
 from pipeline.runtime.quant.primitives import dequantize_int8, quantize_int8_per_channel
-from pipeline.runtime.request import Request
-from pipeline.runtime.sampling_params import SamplingParams
+from pipeline.runtime.worker.model_runner import ModelRunner
 
 
 def make_cfg(hf_dir: Path, **sections: Any) -> BuildConfig:

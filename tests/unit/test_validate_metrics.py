@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.config import ValidationThresholds
+from pipeline.config.build_config import ValidationThresholds
 from pipeline.errors import AccuracyRegression, ConfigError
 from pipeline.validate import metrics as M
 from pipeline.validate.data import load_eval_set, text_windows
@@ -220,7 +220,7 @@ def test_profiles() -> None:
 def test_every_quant_mode_has_defaults() -> None:
     from typing import get_args
 
-    from pipeline.config import QuantMode
+    from pipeline.config.build_config import QuantMode
 
     assert set(get_args(QuantMode)) | {"exact"} == set(DEFAULTS)
     assert all(len(bounds) == len(GATE_SPECS) for bounds in DEFAULTS.values())

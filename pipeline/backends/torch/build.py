@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pipeline
-from pipeline.config import BuildConfig
+from pipeline.config.build_config import BuildConfig
+from pipeline.config.workdir import draft_engine_dir
 from pipeline.errors import ConfigError, MissingArtifactError
 from pipeline.runtime.engine_config import (
     TOKENIZER_DIR,
@@ -22,7 +23,6 @@ from pipeline.runtime.engine_config import (
     engine_config_from_dict,
     write_engine_config,
 )
-from pipeline.stages.runner import draft_engine_dir
 
 # speculative.mode -> TensorRT-LLM's SpeculativeDecodingMode name.
 SPECULATIVE_MODES: dict[str, str | None] = {

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from pipeline.config import BuildConfig
+from pipeline.config.build_config import BuildConfig
 from pipeline.errors import ConfigError, IntegrityError, UnsupportedModelError
 from pipeline.runtime.engine_config import (
     ROPE_TYPES,
@@ -26,28 +26,12 @@ from pipeline.runtime.engine_config import (
     rope_type,
 )
 from pipeline.runtime.model.loader import expected_dense_shapes
+from pipeline.runtime.model.weight_names import GLOBAL_WEIGHTS, LAYER_WEIGHTS, QKV_BIAS_WEIGHTS
 from pipeline.sources import SUPPORTED_ARCHITECTURES, TOKENIZER_FILES
 from pipeline.sources.local import inspect_local_checkpoint
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
-# Runtime name -> the HF tensors it is made of, concatenated along dim 0 in this order.
-GLOBAL_WEIGHTS: dict[str, tuple[str, ...]] = {
-    "transformer.vocab_embedding.weight": ("model.embed_tokens.weight",),
-    "transformer.ln_f.weight": ("model.norm.weight",),
-    "lm_head.weight": ("lm_head.weight",),  # falls back to model.embed_tokens.weight when tied
-}
-LAYER_WEIGHTS: dict[str, tuple[str, ...]] = {
-    "input_layernorm.weight": ("input_layernorm.weight",),
-    "attention.qkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-    "attention.dense.weight": ("self_attn.o_proj.weight",),
-    "post_layernorm.weight": ("post_attention_layernorm.weight",),
-    "mlp.gate_up.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-    "mlp.proj.weight": ("mlp.down_proj.weight",),
-}
-QKV_BIAS_WEIGHTS: dict[str, tuple[str, ...]] = {
-    "attention.qkv.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
-}
 # HF buffers some older checkpoints saved; recomputed by the runtime.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 

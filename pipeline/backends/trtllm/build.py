@@ -19,7 +19,7 @@ from pipeline.backends.trtllm.api import load_api
 from pipeline.backends.trtllm.build_cmd import BUILD_LOG_NAME, NETWORK_DIRNAME, format_argv, trtllm_build_argv
 from pipeline.backends.trtllm.inspect.onnx_check import check_onnx_files
 from pipeline.backends.trtllm.versions import release_for_runtime
-from pipeline.config import BuildConfig
+from pipeline.config.build_config import BuildConfig
 from pipeline.errors import BackendUnavailableError, PipelineError
 
 # Kept beside the work dir when a build fails (the engine's temporary folder is removed).

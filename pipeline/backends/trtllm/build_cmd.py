@@ -11,7 +11,7 @@ import shlex
 from pathlib import Path
 
 from pipeline.backends.trtllm.versions import FLAG_CHOICES, PINNED, Release, release
-from pipeline.config import BuildConfig
+from pipeline.config.build_config import BuildConfig
 from pipeline.errors import ConfigError
 
 # speculative.mode -> trtllm-build --speculative_decoding_mode (REFERENCE.md §1.4).

@@ -14,7 +14,7 @@ from typing import Any
 
 from pipeline.backends.trtllm.api import check_unified_checkpoint, hf_architecture, load_api, model_class_name
 from pipeline.backends.trtllm.versions import WEIGHT_ONLY_MODES
-from pipeline.config import BuildConfig
+from pipeline.config.build_config import BuildConfig
 
 
 def convert_quant_algo(cfg: BuildConfig) -> str | None:

@@ -145,7 +145,7 @@ def parse_server_version(log: str) -> str | None:
 def tritonserver_version() -> Probe:
     """Triton's version. `tritonserver` has no --version; started on a repository that does not exist it
     prints its option table (server_version included) and exits at once (~30 ms, no ports opened)."""
-    from pipeline.serving.server_cmd import find_tritonserver, server_env
+    from pipeline.serving.server.command import find_tritonserver, server_env
 
     try:
         install = find_tritonserver()

@@ -19,7 +19,7 @@ from pipeline.artifacts import require_manifest
 from pipeline.backends.trtllm import env
 from pipeline.backends.trtllm.env import Gpu
 from pipeline.backends.trtllm.versions import MIN_SM_FOR_KV, MIN_SM_FOR_QUANT, PINNED, RELEASES, sm_label
-from pipeline.config import BuildConfig
+from pipeline.config.build_config import BuildConfig
 from pipeline.errors import ConfigError, ServingError
 
 _REBUILD_HINT = (

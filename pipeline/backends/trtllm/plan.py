@@ -15,10 +15,12 @@ from pipeline.backends.trtllm.guards import check_build_features, kv_tokens_for_
 from pipeline.backends.trtllm.quantize import BUILTIN_CALIB_DATASET, needs_calibration
 from pipeline.backends.trtllm.triton_params import tensorrt_llm_parameters
 from pipeline.backends.trtllm.versions import MIN_SM_FOR_KV, MIN_SM_FOR_QUANT, PINNED, RELEASES, sm_label
-from pipeline.config import BuildConfig
+from pipeline.config.build_config import BuildConfig
+from pipeline.config.workdir import STAGE_DIRNAMES
 
-# Stage folder names under the work dir (pipeline.stages.*.SPEC.dirname).
-HF_DIRNAME, CHECKPOINT_DIRNAME, QUANTIZED_DIRNAME, ENGINE_DIRNAME = "hf", "checkpoint", "quantized", "engine"
+HF_DIRNAME, CHECKPOINT_DIRNAME, QUANTIZED_DIRNAME, ENGINE_DIRNAME = (
+    STAGE_DIRNAMES[stage] for stage in ("fetch", "convert", "quantize", "engine")
+)
 
 
 def _hf_dir(cfg: BuildConfig, workdir: Path) -> Path:

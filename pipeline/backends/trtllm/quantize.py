@@ -17,7 +17,7 @@ from typing import Any
 from pipeline.artifacts import link_tree
 from pipeline.backends.trtllm.api import check_unified_checkpoint, load_api, model_class_name
 from pipeline.backends.trtllm.versions import CALIBRATED_MODES
-from pipeline.config import BuildConfig
+from pipeline.config.build_config import BuildConfig
 from pipeline.errors import ConfigError, MissingArtifactError
 
 # What `calibration.dataset: builtin` means on this path: TensorRT-LLM's own default calibration set,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.config import BuildConfig
+from pipeline.config.build_config import BuildConfig
 
 # Fixed values every template of the pinned releases carries verbatim (not `${...}` placeholders).
 FIXED_PARAMETERS: dict[str, str] = {

@@ -9,14 +9,14 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.bench.metrics import DraftCounts
-from pipeline.bench.workloads import BenchRequest
+from pipeline.bench.requests import BenchRequest
 from pipeline.errors import ServingError
 
 
 class InProcessTarget:
     def __init__(
         self,
-        engine_thread: Any,  # pipeline.runtime.async_engine.EngineThread
+        engine_thread: Any,  # pipeline.runtime.engine.async_engine.EngineThread
         name: str = "llmpipe-inprocess",
         min_tokens_equal_max: bool = True,
         end_id: int | None = None,
@@ -39,14 +39,14 @@ class InProcessTarget:
     ) -> InProcessTarget:
         """Load the engine (`engine_overrides` go to LLMEngine.from_engine_dir, e.g. num_threads) and start
         its thread; `close()` stops it."""
-        from pipeline.runtime.async_engine import EngineThread
-        from pipeline.runtime.engine import LLMEngine
+        from pipeline.runtime.engine.async_engine import EngineThread
+        from pipeline.runtime.engine.llm_engine import LLMEngine
 
         engine = LLMEngine.from_engine_dir(engine_dir, **(engine_overrides or {}))
         return cls(EngineThread(engine, max_pending=max_pending), **kwargs)
 
     def stream(self, request: BenchRequest) -> Iterator[int | DraftCounts]:
-        from pipeline.runtime.sampling_params import SamplingParams
+        from pipeline.runtime.core.sampling_params import SamplingParams
 
         if request.input_ids is None:
             raise ValueError(f"request {request.index} has no input_ids (tokenize the workload first)")

@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from pipeline.bench.metrics import DraftCounts
-from pipeline.bench.workloads import BenchRequest
+from pipeline.bench.requests import BenchRequest
 from pipeline.errors import ServingError
 
 MODELS = ("ensemble", "tensorrt_llm")

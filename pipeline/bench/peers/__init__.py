@@ -13,7 +13,7 @@ from typing import Protocol
 
 from pipeline.bench.load import OnRecord, RunResult
 from pipeline.bench.metrics import RequestRecord
-from pipeline.bench.workloads import BenchRequest
+from pipeline.bench.requests import BenchRequest
 
 
 class Peer(Protocol):

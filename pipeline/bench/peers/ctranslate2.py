@@ -17,7 +17,7 @@ from typing import Any
 from pipeline.bench.load import OnRecord, RunResult
 from pipeline.bench.metrics import RequestRecord
 from pipeline.bench.peers import run_static_batches
-from pipeline.bench.workloads import BenchRequest
+from pipeline.bench.requests import BenchRequest
 from pipeline.errors import MissingArtifactError
 
 INSTALL_HINT = "make bench-deps   (or: .venv/bin/pip install ctranslate2 torch==2.13.0)"

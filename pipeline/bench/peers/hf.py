@@ -10,7 +10,7 @@ from typing import Any
 from pipeline.bench.load import OnRecord, RunResult
 from pipeline.bench.metrics import RequestRecord
 from pipeline.bench.peers import records_from_steps, run_static_batches
-from pipeline.bench.workloads import BenchRequest
+from pipeline.bench.requests import BenchRequest
 
 
 class _StepClock:

@@ -25,7 +25,7 @@ import numpy as np
 from pipeline.bench.load import OnRecord, RunResult
 from pipeline.bench.metrics import RequestRecord
 from pipeline.bench.peers import batch_result
-from pipeline.bench.workloads import BenchRequest
+from pipeline.bench.requests import BenchRequest
 from pipeline.errors import MissingArtifactError, PipelineError
 
 INSTALL_HINT = "make bench-deps   (or: .venv/bin/pip install llama-cpp-python==0.3.36 torch==2.13.0)"

@@ -8,18 +8,16 @@ with more token rows (prefill chunks) keep the op-by-op path, whose GEMMs are fa
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from pipeline.runtime.attn_metadata import AttentionMetadata
 from pipeline.runtime.engine_config import ModelConfig
+from pipeline.runtime.kernels import ops as kernels
 from pipeline.runtime.model.layers import Attention, DenseLinear, Linear
-from pipeline.runtime.quant import kernels
+from pipeline.runtime.model.weights import LlamaWeights
 from pipeline.runtime.quant.linear import MAX_KERNEL_ROWS, QuantLinear
-
-if TYPE_CHECKING:
-    from pipeline.runtime.model.llama import LlamaWeights
+from pipeline.runtime.worker.attn_metadata import AttentionMetadata
 
 # The plan's per-entry lists: 16 linear tensors, 2 norms, 4 group sizes.
 KernelArgs = tuple[list[torch.Tensor | None], list[torch.Tensor | None], list[int]]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.runtime.quant.kernels import greedy_argmax, kernels_available
+from pipeline.runtime.kernels.ops import greedy_argmax, kernels_available
 from pipeline.runtime.quant.primitives import quantize_int8_per_channel
 
 # Unit roundoff of fp32.

@@ -10,12 +10,12 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.errors import UnsupportedModelError
-from pipeline.runtime.attn_metadata import AttentionMetadata
 from pipeline.runtime.engine_config import ROPE_TYPES, ModelConfig, rope_type
-from pipeline.runtime.kv_cache import KVCache
-from pipeline.runtime.kv_quant import dequantize_kv, quantize_kv
-from pipeline.runtime.model.cpu_kernels import AddRMSNormKernel, PagedAttentionKernel
+from pipeline.runtime.kernels.cpu_ops import AddRMSNormKernel, PagedAttentionKernel
 from pipeline.runtime.quant.linear import bf16_linear, fp32_linear
+from pipeline.runtime.worker.attn_metadata import AttentionMetadata
+from pipeline.runtime.worker.kv_cache import KVCache
+from pipeline.runtime.worker.kv_quant import dequantize_kv, quantize_kv
 
 
 class Linear(Protocol):

@@ -3,34 +3,15 @@ padding, prefill chunks and decode tokens of different sequences side by side, K
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
-from pipeline.runtime.attn_metadata import AttentionMetadata
 from pipeline.runtime.engine_config import ModelConfig
 from pipeline.runtime.model.fused_decoder import FusedDecoder
 from pipeline.runtime.model.greedy_head import GreedyLMHead
-from pipeline.runtime.model.layers import Attention, Linear, ResidualRMSNorm
-
-
-@dataclass
-class LayerWeights:
-    input_norm: torch.Tensor  # [hidden]
-    qkv: Linear  # hidden -> (H + 2 KV) * D
-    dense: Linear  # H * D -> hidden
-    post_norm: torch.Tensor  # [hidden]
-    gate_up: Linear  # hidden -> 2 * intermediate (gate rows, then up rows)
-    proj: Linear  # intermediate -> hidden
-
-
-@dataclass
-class LlamaWeights:
-    embedding: torch.Tensor  # [vocab, hidden]
-    layers: list[LayerWeights]
-    final_norm: torch.Tensor  # [hidden]
-    lm_head: Linear  # hidden -> vocab
+from pipeline.runtime.model.layers import Attention, ResidualRMSNorm
+from pipeline.runtime.model.weights import LlamaWeights
+from pipeline.runtime.worker.attn_metadata import AttentionMetadata
 
 
 class LlamaModel:

@@ -14,7 +14,7 @@ from safetensors import safe_open
 from pipeline.errors import IntegrityError, MissingArtifactError, UnsupportedModelError
 from pipeline.runtime.engine_config import EngineConfig, ModelConfig, QuantConfig
 from pipeline.runtime.model.layers import DenseLinear, Linear
-from pipeline.runtime.model.llama import LayerWeights, LlamaWeights
+from pipeline.runtime.model.weights import LayerWeights, LlamaWeights
 
 # pretrained_config.quantization.quant_algo -> QuantLinear scheme. AWQ is int4 group-wise once its
 # activation scales are folded into the preceding weights (quantization.pre_quant_scale false); GPTQ only

@@ -13,8 +13,9 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from pipeline.runtime.quant import kernels, primitives
-from pipeline.runtime.quant.kernels import kernels_available, kernels_unavailable_reason
+from pipeline.runtime.kernels import ops as kernels
+from pipeline.runtime.kernels.ops import kernels_available, kernels_unavailable_reason
+from pipeline.runtime.quant import primitives
 
 __all__ = [
     "QuantLinear",

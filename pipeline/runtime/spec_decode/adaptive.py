@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from pipeline.runtime.request import Request
+from pipeline.runtime.core.request import Request
 
 MAX_BACKOFF_STEPS = 32
 

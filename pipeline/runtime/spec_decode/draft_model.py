@@ -21,10 +21,10 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pipeline.runtime.block_manager import BlockManager
-from pipeline.runtime.engine import Runner
-from pipeline.runtime.outputs import ScheduledRequest, SchedulerOutput
-from pipeline.runtime.request import Request, RequestStatus
+from pipeline.runtime.core.block_manager import BlockManager
+from pipeline.runtime.core.outputs import ScheduledRequest, SchedulerOutput
+from pipeline.runtime.core.request import Request, RequestStatus
+from pipeline.runtime.core.runner import Runner
 from pipeline.runtime.spec_decode.adaptive import AdaptiveDraftLength
 from pipeline.runtime.spec_decode.proposer import is_decoding, max_useful_drafts
 

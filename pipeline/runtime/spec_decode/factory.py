@@ -71,8 +71,8 @@ def load_draft_model_proposer(
     draft_dir: Path, target: EngineConfig, runner: Any, max_draft_len: int, adaptive: bool
 ) -> Proposer:
     from pipeline.runtime.engine_config import load_engine_config
-    from pipeline.runtime.model_runner import ModelRunner
     from pipeline.runtime.spec_decode.draft_model import DraftModelProposer
+    from pipeline.runtime.worker.model_runner import ModelRunner
 
     draft = load_engine_config(draft_dir)
     if draft.model.vocab_size != target.model.vocab_size:

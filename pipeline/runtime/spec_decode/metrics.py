@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.runtime.request import RequestStats
+from pipeline.runtime.core.request import RequestStats
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from pipeline.runtime.request import Request, RequestStatus
+from pipeline.runtime.core.request import Request, RequestStatus
 from pipeline.runtime.spec_decode.adaptive import AdaptiveDraftLength
 
 

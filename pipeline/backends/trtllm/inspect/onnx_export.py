@@ -24,8 +24,8 @@ from pipeline.backends.trtllm.inspect.onnx_check import check_onnx_file
 from pipeline.errors import UnsupportedModelError
 from pipeline.runtime.engine_config import ModelConfig, load_engine_config
 from pipeline.runtime.model.layers import DenseLinear, Linear, apply_rope, rotary_cos_sin
-from pipeline.runtime.model.llama import LlamaWeights
 from pipeline.runtime.model.loader import load_llama_weights
+from pipeline.runtime.model.weights import LlamaWeights
 
 OPSET = 17
 INPUT_NAMES = ["input_ids", "positions", "past_keys", "past_values"]

@@ -1,2 +1,0 @@
-"""Triton entry point (backend python); the logic is pipeline.serving.triton_model."""
-from pipeline.serving.triton_model import TorchEngineModel as TritonPythonModel  # noqa: F401

@@ -1,0 +1,67 @@
+"""`llmpipe build` and one command per stage (fetch, convert, quantize, engine, package)."""
+
+from __future__ import annotations
+
+import click
+
+from pipeline.cli.options import CONTEXT, config_options
+from pipeline.config.build_config import BuildConfig, load_build_config
+from pipeline.stages.chain import PIPELINE, run_chain, stages_until
+from pipeline.stages.runner import StageSpec, stage_dir
+
+
+def _run_stages(cfg: BuildConfig, specs: tuple[StageSpec, ...], force: bool, dry_run: bool) -> None:
+    if dry_run:
+        click.echo(f"plan for {cfg.name} ({cfg.backend} backend):")
+        for index, spec in enumerate(specs, 1):
+            for line in _describe(cfg, spec):
+                click.echo(f"  [{index}/{len(specs)}] {spec.name}: {line}")
+        return
+    run_chain(cfg, specs, force=force, report=lambda line: click.echo(line, err=True))
+
+
+def _describe(cfg: BuildConfig, spec: StageSpec) -> list[str]:
+    lines = spec.describe(cfg, stage_dir(cfg, spec))
+    if cfg.backend == "trtllm" and spec.name in ("convert", "quantize", "engine"):
+        from pipeline.backends import backend_step
+
+        plan = backend_step("trtllm", "plan")
+        if plan is not None:
+            lines = lines + [f"    {line}" for line in plan(cfg, stage_dir(cfg, spec).parent, spec.name)]
+    return lines
+
+
+@click.command(context_settings=CONTEXT)
+@click.option("--until", type=click.Choice([s.name for s in PIPELINE]), help="Stop after this stage.")
+@config_options
+def build(config: str, overrides: tuple[str, ...], force: bool, dry_run: bool, until: str | None) -> None:
+    """Run every stage: fetch -> convert -> quantize -> engine -> package.
+
+    \b
+    Examples:
+      llmpipe build build_configs/tiny-llama.yaml
+      llmpipe build build_configs/smollm2-135m.yaml --set quantization.mode=int8_wo
+      llmpipe build build_configs/llama3-8b-int4-awq-tp2.yaml --dry-run
+    """
+    cfg = load_build_config(config, overrides)
+    if cfg.backend == "trtllm" and not dry_run:
+        from pipeline.backends.trtllm.env import require_trtllm
+
+        require_trtllm()  # stop before a long Hub download on a host that cannot build anyway
+    _run_stages(cfg, stages_until(until), force, dry_run)
+
+
+def _stage_command(spec: StageSpec) -> click.Command:
+    def command(config: str, overrides: tuple[str, ...], force: bool, dry_run: bool) -> None:
+        cfg = load_build_config(config, overrides)
+        _run_stages(cfg, (spec,), force, dry_run)
+
+    command.__doc__ = (
+        f"{spec.summary}\n\n    Reads the outputs of: {', '.join(spec.inputs) or 'nothing (first stage)'}; "
+        f"writes build/<name>/{spec.dirname}/.\n\n    \b\n    Example:\n"
+        f"      llmpipe {spec.name} build_configs/tiny-llama.yaml --force\n"
+    )
+    return click.command(spec.name, context_settings=CONTEXT)(config_options(command))
+
+
+STAGE_COMMANDS: tuple[click.Command, ...] = tuple(_stage_command(spec) for spec in PIPELINE)

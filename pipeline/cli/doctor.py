@@ -1,0 +1,143 @@
+"""`llmpipe doctor`: what this machine can build and serve, and why not when it cannot."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+
+from pipeline.backends.trtllm import env
+from pipeline.backends.trtllm.versions import (
+    MIN_SM_FOR_KV,
+    MIN_SM_FOR_QUANT,
+    PINNED,
+    RELEASES,
+    release_for_runtime,
+)
+from pipeline.cli.options import CONTEXT
+from pipeline.config.build_config import BACKEND_QUANT_MODES
+from pipeline.errors import PipelineError
+
+
+def _torch_backend(torch: dict[str, Any]) -> dict[str, Any]:
+    if torch.get("version") is None:
+        return {
+            "available": False,
+            "reason": torch.get("reason"),
+            "device": None,
+            "quant_modes": [],
+            "fast_dtypes": [],
+        }
+    device = "cuda" if torch.get("cuda_available") else "cpu"
+    return {
+        "available": True,
+        "reason": None,
+        "device": device,
+        "quant_modes": list(BACKEND_QUANT_MODES["torch"]),
+        "fast_dtypes": _fast_dtypes(device),
+    }
+
+
+def _fast_dtypes(device: str) -> list[str]:
+    """The `dtype` values that speed an engine up here: on a CPU, bfloat16 only with bf16 dot products."""
+    if device == "cuda":
+        return ["float16", "bfloat16", "float32"]
+    from pipeline.runtime.kernels.ops import cpu_has_bf16_dot
+
+    return ["float32", "bfloat16"] if cpu_has_bf16_dot() else ["float32"]
+
+
+def _trtllm_backend(trtllm: env.Probe, gpus: env.Probe) -> dict[str, Any]:
+    reasons = [r for r in (trtllm.reason, gpus.reason) if r]
+    if trtllm.value is not None:
+        try:
+            release_for_runtime(str(trtllm.value))
+        except PipelineError as err:
+            reasons.append(err.message)
+    if reasons:
+        return {"available": False, "reason": "; ".join(reasons), "quant_modes": [], "kv_cache_dtypes": []}
+    oldest = min(g.sm for g in gpus.value)
+    return {
+        "available": True,
+        "reason": None,
+        "quant_modes": [m for m in BACKEND_QUANT_MODES["trtllm"] if MIN_SM_FOR_QUANT[m] <= oldest],
+        "kv_cache_dtypes": [k for k, sm in MIN_SM_FOR_KV.items() if sm <= oldest],
+    }
+
+
+def collect_report() -> dict[str, Any]:
+    gpus, trtllm = env.gpus(), env.tensorrt_llm_version()
+    torch = env.torch_info()
+    return {
+        "python": env.python_version(),
+        "gpus": gpus.as_dict(),
+        "cuda_driver": env.cuda_driver_version().as_dict(),
+        "torch": torch,
+        "tensorrt_llm": trtllm.as_dict(),
+        "tensorrt": env.tensorrt_version().as_dict(),
+        "tritonserver": env.tritonserver_version().as_dict(),
+        "pinned_release": {"tensorrt_llm": PINNED, "container": RELEASES[PINNED].triton_container},
+        "backends": {"torch": _torch_backend(torch), "trtllm": _trtllm_backend(trtllm, gpus)},
+    }
+
+
+def _shown(probe: dict[str, Any]) -> str:
+    return str(probe["value"]) if probe["value"] is not None else f"- ({probe['reason']})"
+
+
+def format_table(report: dict[str, Any]) -> str:
+    gpu_list = report["gpus"]["value"]
+    gpu_text = (
+        "; ".join(
+            f"{g['index']}: {g['name']} (compute {g['compute_capability']}, {g['memory_total_mib']} MiB)"
+            for g in gpu_list
+        )  # fmt: skip
+        if gpu_list
+        else f"- ({report['gpus']['reason']})"
+    )
+    torch = report["torch"]
+    torch_text = (
+        f"{torch['version']} (CUDA build {torch['cuda']})"
+        if torch.get("version")
+        else f"- ({torch['reason']})"
+    )
+    rows = [
+        ("python", report["python"]),
+        ("GPUs", gpu_text),
+        ("CUDA (driver)", _shown(report["cuda_driver"])),
+        ("torch", torch_text),
+        ("TensorRT-LLM", _shown(report["tensorrt_llm"])),
+        ("TensorRT", _shown(report["tensorrt"])),
+        ("tritonserver", _shown(report["tritonserver"])),
+        ("pinned release", f"TensorRT-LLM {report['pinned_release']['tensorrt_llm']} "
+                           f"({report['pinned_release']['container']})"),
+    ]  # fmt: skip
+    for name, backend in report["backends"].items():
+        if backend["available"]:
+            extra = f" on {backend['device']}" if backend.get("device") else ""
+            text = f"yes{extra}; quantization: {', '.join(backend['quant_modes'])}"
+            if backend.get("fast_dtypes"):
+                text += f"; fast dtypes: {', '.join(backend['fast_dtypes'])}"
+            if backend.get("kv_cache_dtypes"):
+                text += f"; KV: {', '.join(backend['kv_cache_dtypes'])}"
+        else:
+            text = f"no: {backend['reason']}"
+        rows.append((f"backend {name}", text))
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name.ljust(width)}  {value}" for name, value in rows)
+
+
+@click.command("doctor", context_settings=CONTEXT)
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def doctor(as_json: bool) -> None:
+    """Show what this machine can do: GPUs, CUDA, TensorRT-LLM, Triton, and which backends and quantization
+    modes are possible here (and why not).
+
+    \b
+    Examples:
+      llmpipe doctor
+      llmpipe doctor --json | jq .backends
+    """
+    report = collect_report()
+    click.echo(json.dumps(report, indent=2) if as_json else format_table(report))

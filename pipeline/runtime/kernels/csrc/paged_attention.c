@@ -1,0 +1,286 @@
+// Paged attention for the CPU runtime: RoPE, KV-cache writes and causal attention over the paged cache for
+// a flattened batch of tokens (prefill chunks and decode tokens mixed), in one call per layer.
+//
+// Built by pipeline/runtime/kernels/cpu_ops.py (gcc -O3 -fopenmp, -mavx2 -mfma where the CPU has them)
+// and called through ctypes on raw pointers. All tensors are row-major and fp32 unless said otherwise:
+//   qkv       [T, qkv_stride]: per token H query heads, then KV key heads, then KV value heads, each D wide;
+//             the query and key heads are rotated in place.
+//   cos_sin   [max_positions, D]: cos(pos * inv_freq) in the first D/2 columns, sin in the last D/2.
+//   positions [T] int64, slots [T] int64 (cache row of each token: block * block_size + offset).
+//   k_cache, v_cache [num_blocks * block_size, KV, D]: fp32; int8 when k_scales/v_scales are given; bf16
+//             (uint16 bit patterns, written rounded to nearest even like torch's .bfloat16()) when cache_bf16.
+//   k_scales, v_scales [num_blocks * block_size, KV] fp32, or NULL: the int8 cache's per-token, per-head
+//             scales (symmetric: value = q * scale, scale = max|x| / 127 over the head's D values, never
+//             below FLT_MIN; q = round-half-even(x / scale)). runtime/kv_quant.py is the same format in torch.
+//   block_tables [num_seqs, bt_stride] int32, token_seq [T] int32 (which block table a token uses).
+//   out       [T, H * D].
+// Token t attends to positions max(0, pos - window + 1) .. pos of its sequence (window 0 = no window);
+// query head h reads key/value head h / (H / KV), as in HF's repeat_kv.
+//
+// NOTE: written with GCC vector extensions (8 floats) instead of intrinsics so it builds on any GCC
+// target (AVX2 intrinsics only where GCC's vectors fall short, see widen8); D must be a multiple of 8 (the
+// Python side checks and otherwise uses the torch path). int8 cache values are widened to floats on read;
+// their scales are applied once per key (to its score) and once per value (to its softmax weight), never
+// per element. bf16 cache values widen to floats exactly.
+// Threads: OpenMP over (token, kv head). libgomp has the soname torch already loaded, so these parallel
+// regions reuse torch's thread team rather than adding a second set of spinning threads.
+#include <float.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v8f_u __attribute__((vector_size(32), aligned(4)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef int8_t v8c_u __attribute__((vector_size(8), aligned(1)));
+typedef uint16_t v8h_u __attribute__((vector_size(16), aligned(2)));
+
+// What a cache element is (the `kind` argument below).
+enum { CACHE_F32 = 0, CACHE_INT8 = 1, CACHE_BF16 = 2 };
+
+#define NEG_BIG (-3.0e38f)
+
+static inline v8f load8(const float* p) { return *(const v8f_u*)p; }
+static inline void store8(float* p, v8f v) { *(v8f_u*)p = v; }
+static inline v8f splat8(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
+static inline float hsum8(v8f v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
+// 8 int8 values as floats. NOTE: GCC 12 lowers __builtin_convertvector from 8 x int8 to 8 scalar
+// conversions, so AVX2 targets spell out the two-instruction widening.
+static inline v8f widen8(const int8_t* p) {
+#ifdef __AVX2__
+  return (v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+#else
+  return __builtin_convertvector(*(const v8c_u*)p, v8f);
+#endif
+}
+// 8 bf16 values as floats: the bits go to the top half of each float.
+static inline v8f widen8_bf16(const uint16_t* p) {
+#ifdef __AVX2__
+  return (v8f)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16);
+#else
+  return (v8f)(__builtin_convertvector(*(const v8h_u*)p, v8i) << 16);
+#endif
+}
+// 8 cache values from element index i of a cache of `kind`, as floats (int8: not yet scaled).
+static inline v8f load_cache8(const void* cache, int64_t i, const int kind) {
+  if (kind == CACHE_INT8) return widen8((const int8_t*)cache + i);
+  if (kind == CACHE_BF16) return widen8_bf16((const uint16_t*)cache + i);
+  return load8((const float*)cache + i);
+}
+
+// One head's D values into the bf16 cache, rounded to nearest even (finite values; RoPE'd K and V are).
+static void store_head_bf16(const float* x, int64_t D, uint16_t* out) {
+  for (int64_t i = 0; i < D; ++i) {
+    uint32_t b;
+    memcpy(&b, x + i, sizeof b);
+    out[i] = (uint16_t)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+  }
+}
+
+// e^x for x <= 0 (softmax after subtracting the max): Cody-Waite range reduction x = n ln2 + r, a degree-6
+// polynomial for e^r (Cephes expf coefficients, ~1 ulp), then 2^n through the exponent bits.
+// Inputs below -87 give 0 (e^-87 is below float's normal range).
+static inline v8f exp8_nonpositive(v8f x) {
+  const v8i keep = x > splat8(-87.0f);
+  x = (v8f)((v8i)x & keep);  // clamp the dropped lanes to 0 so the arithmetic below stays finite
+  // convertvector truncates toward zero, so for y = x log2(e) <= 0, trunc(y - 0.5) = ceil(y - 0.5): the
+  // integer nearest to y, leaving |r| <= ln2 / 2.
+  const v8f n = __builtin_convertvector(__builtin_convertvector(x * splat8(1.44269504088896341f) - splat8(0.5f), v8i), v8f);
+  v8f r = x - n * splat8(0.693359375f);
+  r = r - n * splat8(-2.12194440e-4f);
+  v8f p = splat8(1.9875691500e-4f);
+  p = p * r + splat8(1.3981999507e-3f);
+  p = p * r + splat8(8.3334519073e-3f);
+  p = p * r + splat8(4.1665795894e-2f);
+  p = p * r + splat8(1.6666665459e-1f);
+  p = p * r + splat8(5.0000001201e-1f);
+  const v8f y = p * r * r + r + splat8(1.0f);
+  const v8i scale = (__builtin_convertvector(n, v8i) + 127) << 23;
+  return (v8f)((v8i)(y * (v8f)scale) & keep);
+}
+
+// One head's D values into int8 q and its scale (the format described at the top).
+static void quantize_head(const float* x, int64_t D, int8_t* q, float* scale) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < D; ++i) {
+    const float a = x[i] < 0 ? -x[i] : x[i];
+    amax = a > amax ? a : amax;
+  }
+  const float s = amax / 127.0f > FLT_MIN ? amax / 127.0f : FLT_MIN;
+  for (int64_t i = 0; i < D; ++i) {
+    const float r = __builtin_rintf(x[i] / s);
+    q[i] = (int8_t)(r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r));
+  }
+  *scale = s;
+}
+
+static void rope_row(float* x, const float* cos_sin, int64_t half) {
+  const float* c = cos_sin;
+  const float* s = cos_sin + half;
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = x[i], b = x[i + half];
+    x[i] = a * c[i] - b * s[i];
+    x[i + half] = b * c[i] + a * s[i];
+  }
+}
+
+// Attention of one query head (q [D]) over positions lo .. lo + n - 1 of a sequence whose cache rows come
+// from `table`; kv head g of KV. scores: scratch of n rounded up to 8 floats. kind: the cache's element type
+// (CACHE_INT8: with k_scales/v_scales).
+// NOTE: always_inline + the literal D and kind of the callers below let GCC keep q and the output
+// accumulator in registers and drop the branches of the other cache type; four keys per iteration give the
+// FMA chains independent work.
+static inline __attribute__((always_inline)) void attend_head(
+    const float* q, const int64_t D, const void* k_cache, const void* v_cache, const float* k_scales,
+    const float* v_scales, const int kind, int64_t KV, int64_t g, const int32_t* table, int64_t block_size,
+    int64_t lo, int64_t n, float scale, float* scores, float* out) {
+  const int64_t row_stride = KV * D;
+  const int quant = kind == CACHE_INT8;
+  v8f qv[D / 8];
+  for (int64_t d = 0; d < D / 8; ++d) qv[d] = load8(q + 8 * d);
+  float row_max = NEG_BIG;
+  for (int64_t j = 0; j < n;) {
+    const int64_t pos = lo + j;
+    const int64_t offset = pos % block_size;
+    const int64_t run = (block_size - offset < n - j) ? block_size - offset : n - j;
+    const int64_t head = ((int64_t)table[pos / block_size] * block_size + offset) * KV + g;  // (row, g)
+    int64_t k = head * D;  // element index of the key row in the cache
+    const float* ks = quant ? k_scales + head : NULL;
+    int64_t r = 0;
+    for (; r + 4 <= run; r += 4, k += 4 * row_stride) {
+      v8f a0 = splat8(0.0f), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t d = 0; d < D / 8; ++d) {
+        a0 += qv[d] * load_cache8(k_cache, k + 8 * d, kind);
+        a1 += qv[d] * load_cache8(k_cache, k + row_stride + 8 * d, kind);
+        a2 += qv[d] * load_cache8(k_cache, k + 2 * row_stride + 8 * d, kind);
+        a3 += qv[d] * load_cache8(k_cache, k + 3 * row_stride + 8 * d, kind);
+      }
+      float s0 = hsum8(a0) * scale, s1 = hsum8(a1) * scale, s2 = hsum8(a2) * scale, s3 = hsum8(a3) * scale;
+      if (quant) s0 *= ks[r * KV], s1 *= ks[(r + 1) * KV], s2 *= ks[(r + 2) * KV], s3 *= ks[(r + 3) * KV];
+      scores[j + r] = s0, scores[j + r + 1] = s1, scores[j + r + 2] = s2, scores[j + r + 3] = s3;
+      const float m01 = s0 > s1 ? s0 : s1, m23 = s2 > s3 ? s2 : s3, m = m01 > m23 ? m01 : m23;
+      if (m > row_max) row_max = m;
+    }
+    for (; r < run; ++r, k += row_stride) {
+      v8f a = splat8(0.0f);
+      for (int64_t d = 0; d < D / 8; ++d) a += qv[d] * load_cache8(k_cache, k + 8 * d, kind);
+      const float s = hsum8(a) * scale * (quant ? ks[r * KV] : 1.0f);
+      scores[j + r] = s;
+      if (s > row_max) row_max = s;
+    }
+    j += run;
+  }
+  const int64_t n_pad = (n + 7) & ~(int64_t)7;
+  for (int64_t j = n; j < n_pad; ++j) scores[j] = NEG_BIG;
+  v8f sum = splat8(0.0f);
+  const v8f m = splat8(row_max);
+  for (int64_t j = 0; j < n_pad; j += 8) {
+    const v8f e = exp8_nonpositive(load8(scores + j) - m);
+    store8(scores + j, e);
+    sum += e;
+  }
+  v8f acc[D / 8];
+  for (int64_t d = 0; d < D / 8; ++d) acc[d] = splat8(0.0f);
+  for (int64_t j = 0; j < n;) {
+    const int64_t pos = lo + j;
+    const int64_t offset = pos % block_size;
+    const int64_t run = (block_size - offset < n - j) ? block_size - offset : n - j;
+    const int64_t head = ((int64_t)table[pos / block_size] * block_size + offset) * KV + g;
+    int64_t v = head * D;
+    for (int64_t r = 0; r < run; ++r, v += row_stride) {
+      const v8f p = splat8(scores[j + r] * (quant ? v_scales[head + r * KV] : 1.0f));
+      for (int64_t d = 0; d < D / 8; ++d) acc[d] += p * load_cache8(v_cache, v + 8 * d, kind);
+    }
+    j += run;
+  }
+  const v8f inv = splat8(1.0f / hsum8(sum));
+  for (int64_t d = 0; d < D / 8; ++d) store8(out + 8 * d, acc[d] * inv);
+}
+
+static void attend_head_any(const float* q, int64_t D, const void* k_cache, const void* v_cache,
+                            const float* k_scales, const float* v_scales, int kind, int64_t KV, int64_t g,
+                            const int32_t* table, int64_t block_size, int64_t lo, int64_t n, float scale,
+                            float* scores, float* out) {
+#define ATTEND(DIM, KIND) \
+  attend_head(q, DIM, k_cache, v_cache, k_scales, v_scales, KIND, KV, g, table, block_size, lo, n, scale, scores, out)
+#define ATTEND_KINDS(DIM)                          \
+  switch (kind) {                                  \
+    case CACHE_INT8: ATTEND(DIM, CACHE_INT8); break; \
+    case CACHE_BF16: ATTEND(DIM, CACHE_BF16); break; \
+    default: ATTEND(DIM, CACHE_F32);               \
+  }
+  switch (D) {
+    case 64:
+      ATTEND_KINDS(64);
+      break;
+    case 128:
+      ATTEND_KINDS(128);
+      break;
+    default:
+      ATTEND_KINDS(D);
+  }
+#undef ATTEND_KINDS
+#undef ATTEND
+}
+
+// Per-layer arguments first, then the ones shared by every layer of a step.
+int llmpipe_paged_attention(float* qkv, int64_t qkv_stride, void* k_cache, void* v_cache, float* k_scales,
+                            float* v_scales, float* out,
+                            const float* cos_sin, const int64_t* positions, const int64_t* slots,
+                            const int32_t* block_tables, int64_t bt_stride, const int32_t* token_seq, int64_t T,
+                            int64_t H, int64_t KV, int64_t D, int64_t block_size, int64_t window,
+                            int64_t max_context, float scale, int64_t cache_bf16) {
+  const int64_t G = H / KV;
+  const int kind = k_scales != NULL ? CACHE_INT8 : (cache_bf16 ? CACHE_BF16 : CACHE_F32);
+  if (D % 8 != 0 || D > 256 || H % KV != 0) return 1;
+  // RoPE on query and key heads, then the new keys and values into their cache rows.
+#pragma omp parallel for if (T >= 32)
+  for (int64_t t = 0; t < T; ++t) {
+    float* row = qkv + t * qkv_stride;
+    const float* cs = cos_sin + positions[t] * D;
+    for (int64_t h = 0; h < H + KV; ++h) rope_row(row + h * D, cs, D / 2);
+    const int64_t slot = slots[t];
+    if (kind == CACHE_INT8) {
+      for (int64_t g = 0; g < KV; ++g) {
+        quantize_head(row + (H + g) * D, D, (int8_t*)k_cache + (slot * KV + g) * D, k_scales + slot * KV + g);
+        quantize_head(row + (H + KV + g) * D, D, (int8_t*)v_cache + (slot * KV + g) * D, v_scales + slot * KV + g);
+      }
+    } else if (kind == CACHE_BF16) {
+      store_head_bf16(row + H * D, KV * D, (uint16_t*)k_cache + slot * KV * D);
+      store_head_bf16(row + (H + KV) * D, KV * D, (uint16_t*)v_cache + slot * KV * D);
+    } else {
+      memcpy((float*)k_cache + slot * KV * D, row + H * D, sizeof(float) * KV * D);
+      memcpy((float*)v_cache + slot * KV * D, row + (H + KV) * D, sizeof(float) * KV * D);
+    }
+  }
+  const int64_t n_pad_max = (max_context + 7) & ~(int64_t)7;
+  int failed = 0;
+#pragma omp parallel
+  {
+    float* scores = (float*)malloc(sizeof(float) * n_pad_max);
+    if (scores == NULL) {
+#pragma omp atomic write
+      failed = 2;
+    }
+    // One item per (token, kv head): its G query heads run back to back while that head's K/V are cached.
+    // With many tokens a thread takes all kv heads of a token at once: the heads' rows interleave in the
+    // cache, so the lines one head's reads pull in (and prefetch) serve the next (measured 16 sequences x
+    // 150 tokens, caches cold: -6 % per step); with few tokens, one item at a time keeps both threads busy.
+#pragma omp for schedule(dynamic, T >= 8 ? KV : 1)
+    for (int64_t item = 0; item < T * KV; ++item) {
+      if (scores == NULL) continue;
+      const int64_t t = item / KV, g = item % KV;
+      const int64_t pos = positions[t];
+      const int64_t lo = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
+      const int32_t* table = block_tables + (int64_t)token_seq[t] * bt_stride;
+      for (int64_t h = g * G; h < (g + 1) * G; ++h)
+        attend_head_any(qkv + t * qkv_stride + h * D, D, k_cache, v_cache, k_scales, v_scales, kind, KV, g, table,
+                        block_size, lo, pos + 1 - lo, scale, scores, out + t * H * D + h * D);
+    }
+    free(scores);
+  }
+  return failed;
+}

@@ -1,0 +1,126 @@
+"""Fused dequantize + matmul CPU kernels (AVX2 + FMA, OpenMP) for skinny activations: y = x @ W.T + bias.
+
+The kernels are compiled on first use and registered as `torch.ops.llmpipe_quant.*` (see build.py). Callers
+check `kernels_available()` and otherwise use the pure-PyTorch path (dequantize + matmul);
+`kernels_unavailable_reason()` says why the kernels are off.
+
+Every gemm_* takes x as fp32 CPU [M, K] (rows may be strided, columns dense) and weight tensors laid out as in
+`pipeline.runtime.quant.primitives`, contiguous, on CPU, with fp32 scales / zeros / bias; it returns a new fp32
+[M, N] tensor. `dequantize_int8` / `dequantize_int4` are multithreaded, bit-identical versions of the
+primitives, for the many-row path (dequantize, then torch matmul). All run on `torch.get_num_threads()` threads
+and raise RuntimeError on a wrong dtype, device or shape.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from pipeline.runtime.kernels.build import BF16_CPU_FLAG, cpu_flags, load_library
+
+_OP_NAMES = ("gemm_f32", "gemm_int8", "gemm_int4", "dequant_int8", "dequant_int4", "greedy_argmax")
+
+
+@functools.cache
+def _load() -> tuple[dict[str, Any], str]:
+    reason = load_library()
+    if reason:
+        return {}, reason
+    # The `.default` overloads skip overload resolution on every call (~2 us each).
+    return {name: getattr(torch.ops.llmpipe_quant, name).default for name in _OP_NAMES}, ""
+
+
+def _op(name: str) -> Any:
+    ops, reason = _load()
+    if not ops:
+        raise RuntimeError(f"quantized CPU kernels are unavailable: {reason}")
+    return ops[name]
+
+
+def kernels_available() -> bool:
+    """True when the compiled kernels can run here (builds them on the first call)."""
+    return not _load()[1]
+
+
+def cpu_has_bf16_dot() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512_BF16 or AMX), which torch's bf16 GEMMs need to be
+    faster than fp32 ones rather than ~100x slower."""
+    return BF16_CPU_FLAG in cpu_flags() or "amx_bf16" in cpu_flags()
+
+
+def kernels_unavailable_reason() -> str:
+    """Why `kernels_available()` is False; empty when it is True."""
+    return _load()[1]
+
+
+def gemm_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N]."""
+    return _op("gemm_f32")(x, weight, bias)
+
+
+def gemm_int8(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [M, K] @ (qweight int8 [N, K] * scales [N, 1]).T (+ bias) -> [M, N]."""
+    return _op("gemm_int8")(x, qweight, scales, bias)
+
+
+def gemm_int4(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ dequantize_int4(packed [N, K / 2], scales, zeros, group_size).T (+ bias) -> [M, N]."""
+    return _op("gemm_int4")(x, packed, scales, zeros, group_size, bias)
+
+
+def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """primitives.dequantize_int8, bit for bit."""
+    return _op("dequant_int8")(qweight, scales)
+
+
+def dequantize_int4(
+    packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """primitives.dequantize_int4, bit for bit."""
+    return _op("dequant_int4")(packed, scales, zeros, group_size)
+
+
+def decoder_plan(
+    linears: list[torch.Tensor | None],
+    norms: list[torch.Tensor | None],
+    group_sizes: list[int],
+    eps: float,
+) -> Any:
+    """A `torch.classes.llmpipe_quant.DecoderPlan`: validated decoder-layer steps whose `run(i, hidden, attn)`
+    computes entry i's dense part in one call, updating the residual stream hidden [M, H] in place.
+
+    Per entry: 4 x [weight, scales, zeros, bias] in `linears` (None where absent) for the attention output
+    projection, the fused gate/up projection (gate rows first), the down projection and the next layer's fused
+    q/k/v, the weight's dtype picking the format (float32, int8 per channel, uint8 packed int4 with the entry's
+    `group_sizes`); [post-attention norm, next norm] weights in `norms`. `run` with attn [M, dense in]:
+    hidden += attn @ dense.T, then hidden += down(silu(gate(x)) * up(x)) with x = rms_norm(hidden) * post_norm;
+    then, with a next norm, it returns next_qkv(rms_norm(hidden) * next_norm), or the normed rows themselves
+    without next_qkv; without one, an empty [0, H] tensor. The plan keeps the weights alive.
+    """
+    _op("gemm_f32")  # builds and loads the library, or raises why not
+    return torch.classes.llmpipe_quant.DecoderPlan(linears, norms, group_sizes, eps)
+
+
+def greedy_argmax(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    weight: torch.Tensor,
+    error_per_l1: torch.Tensor,
+) -> torch.Tensor:
+    """argmax_v x[r] . weight[v] per row of x [R, K] (int64 [R], first maximum on ties), screening with the int8
+    copy (qweight [V, K], scales [V]) of weight [V, K]: exact when error_per_l1 [V] bounds, per unit of
+    ||x||_1, how far token v's int8 logit and its computed fp32 logit can each be from the true one. The exact
+    logits are gemm_f32's, bit for bit."""
+    return _op("greedy_argmax")(x, qweight, scales, weight, error_per_l1)

@@ -1,0 +1,320 @@
+"""ModelRunner: the only part of the engine that touches tensors. It turns a SchedulerOutput into one
+flattened batch, runs the model over the paged KV cache, and samples the rows that need a token; `score`
+returns the logits of every position of a given sequence (teacher forcing) through the same path."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from pipeline.errors import ConfigError
+from pipeline.runtime.core.outputs import RunnerOutput, SchedulerOutput
+from pipeline.runtime.engine_config import EngineConfig, load_engine_config
+from pipeline.runtime.kernels.cpu_ops import PagedAttentionKernel, load_add_rms_norm, load_paged_attention
+from pipeline.runtime.model.greedy_head import GreedyLMHead
+from pipeline.runtime.model.layers import (
+    Attention,
+    DenseLinear,
+    KernelAttention,
+    ResidualRMSNorm,
+    TorchAttention,
+    rotary_cos_sin,
+)
+from pipeline.runtime.model.llama import LlamaModel
+from pipeline.runtime.model.loader import load_llama_weights
+from pipeline.runtime.model.weights import LlamaWeights
+from pipeline.runtime.worker.attn_metadata import SequenceChunk, build_attention_metadata
+from pipeline.runtime.worker.kv_cache import KVCache, blocks_per_sequence, num_kv_blocks
+from pipeline.runtime.worker.kv_quant import check_kv_quant_algo
+from pipeline.runtime.worker.sampler import Sampler, SampleRow, accept_drafts
+
+logger = logging.getLogger(__name__)
+
+AttentionChoice = Literal["auto", "kernel", "torch"]
+# One-row steps of models whose decoder layers store at most this many weight bytes run single-threaded on
+# CPU (ModelRunner._threads_for): between SmolLM2's int8 layers (3.5 MB, faster on one thread) and its bf16
+# ones (6.75 MB: 61 vs 47 tok/s on two threads, benchmarks/NOTES.md session 5) and fp32 ones (14 MB).
+SINGLE_THREAD_MAX_LAYER_BYTES = 5 << 20
+_MODEL_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={device!r} but no CUDA device is available", hint="use device=cpu or auto")
+    if resolved.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device={device!r} is not supported; use cpu, cuda or auto")
+    return resolved
+
+
+class ModelRunner:
+    """Loads an engine directory's model onto `device` and executes scheduler steps.
+
+    Compute dtype: the model's dtype on CUDA. On CPU fp32, except that a bfloat16 engine keeps its decoder
+    layers' linear weights in bf16 and feeds them bf16-rounded activations (fp32 accumulation; twice the
+    fp32 FMA rate where the CPU has AVX512_BF16); norms, attention, the KV cache and the head stay fp32. `num_threads` sets torch's (process-wide) thread count.
+    `attention`: "kernel" = the C paged-attention kernel (CPU, fp32), "torch" = the portable torch path,
+    "auto" = the kernel when it applies and builds. The KV cache is int8 when the engine's
+    kv_cache_quant_algo is INT8 (both attention paths read and write it). The runner keeps no per-request
+    state (sampling randomness is keyed by seed and position), so `finished_request_ids` needs no handling.
+    """
+
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        device: str | torch.device = "auto",
+        kv_max_tokens: int | None = None,
+        kv_free_memory_fraction: float | None = None,
+        num_threads: int | None = None,
+        attention: AttentionChoice = "auto",
+        seed: int | None = None,
+    ) -> None:
+        self.config = engine_config
+        self.device = resolve_device(device)
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        model_cfg, build, runtime = engine_config.model, engine_config.build, engine_config.runtime
+        self.kv_int8 = check_kv_quant_algo(model_cfg.quantization.kv_cache_quant_algo)
+        self.dtype = torch.float32 if self.device.type == "cpu" else _MODEL_DTYPES[model_cfg.dtype]
+        # fp16 stays fp32 on CPU: no CPU here multiplies fp16 faster than fp32.
+        self.layer_weight_dtype = (
+            torch.bfloat16 if self.device.type == "cpu" and model_cfg.dtype == "bfloat16" else self.dtype
+        )
+        # A bf16 engine's KV cache is bf16 too (TensorRT-LLM's default: the model dtype): half the bytes
+        # that c=16 decode steps stream through attention, twice the tokens in the same memory.
+        kv_dtype = self.layer_weight_dtype
+        self.tokens_per_block = build.plugin_config.tokens_per_block
+        weights = load_llama_weights(engine_config, self.device, self.dtype, self.layer_weight_dtype)
+        first = weights.layers[0]
+        self.layer_weight_bytes = sum(
+            linear.weight_bytes for linear in (first.qkv, first.dense, first.gate_up, first.proj)
+        )
+        # Sized after the weights are in memory, so "free memory" is what the cache can really use.
+        self.num_kv_blocks = num_kv_blocks(
+            model_cfg,
+            self.tokens_per_block,
+            kv_dtype,
+            self.device,
+            max_tokens=kv_max_tokens if kv_max_tokens is not None else runtime.kv_max_tokens,
+            free_memory_fraction=kv_free_memory_fraction
+            if kv_free_memory_fraction is not None
+            else runtime.kv_free_memory_fraction,
+            max_useful_blocks=build.max_batch_size
+            * blocks_per_sequence(build.max_seq_len + build.max_draft_len, self.tokens_per_block),
+            int8=self.kv_int8,
+        )
+        self.max_positions = min(model_cfg.max_position_embeddings, build.max_seq_len + build.max_draft_len)
+        kernel = self._pick_kernel(attention)
+        self.kv_cache = KVCache(
+            model_cfg,
+            self.num_kv_blocks,
+            self.tokens_per_block,
+            kv_dtype,
+            self.device,
+            zero=kernel is None,
+            int8=self.kv_int8,
+        )
+        self.attention_backend = "kernel" if kernel is not None else "torch"
+        self.model = self._assemble(weights, kernel)
+        self.sampler = Sampler(seed)
+        logger.info(
+            "model runner: %s on %s (%s, layer weights %s), %d KV blocks of %d tokens (%s, %.2f GiB), "
+            "attention=%s",
+            model_cfg.architecture,
+            self.device,
+            self.dtype,
+            self.layer_weight_dtype,
+            self.num_kv_blocks,
+            self.tokens_per_block,
+            "int8" if self.kv_int8 else kv_dtype,
+            self.kv_cache.num_bytes / 2**30,
+            self.attention_backend,
+        )
+
+    @classmethod
+    def from_engine_dir(cls, engine_dir: str | Path, **kwargs: object) -> ModelRunner:
+        return cls(load_engine_config(engine_dir), **kwargs)  # type: ignore[arg-type]
+
+    def _pick_kernel(self, attention: AttentionChoice) -> PagedAttentionKernel | None:
+        if attention not in ("auto", "kernel", "torch"):
+            raise ConfigError(f"attention={attention!r} is invalid: choose auto, kernel or torch")
+        if attention == "torch":
+            return None
+        usable = (
+            self.device.type == "cpu"
+            and self.dtype == torch.float32
+            and KernelAttention.supports(self.config.model)
+        )
+        kernel = load_paged_attention() if usable else None
+        if kernel is None and attention == "kernel":
+            raise ConfigError(
+                "attention=kernel is unavailable here (needs CPU, fp32, head_dim % 8 == 0 and a C compiler)"
+            )
+        return kernel
+
+    def _assemble(self, weights: LlamaWeights, kernel: PagedAttentionKernel | None) -> LlamaModel:
+        model_cfg = self.config.model
+        cos_sin = rotary_cos_sin(model_cfg, self.max_positions).to(self.device)
+        attention: Attention = (
+            KernelAttention(kernel, self.kv_cache, model_cfg, cos_sin)
+            if kernel is not None
+            else TorchAttention(self.kv_cache, model_cfg, cos_sin)
+        )
+        norm_kernel = load_add_rms_norm() if kernel is not None else None
+        norm = ResidualRMSNorm(norm_kernel, model_cfg.hidden_size, model_cfg.norm_epsilon)
+        lm_head = weights.lm_head
+        greedy_head = (
+            GreedyLMHead(lm_head.weight)
+            if isinstance(lm_head, DenseLinear) and GreedyLMHead.supports(lm_head.weight)
+            else None
+        )
+        return LlamaModel(model_cfg, weights, attention, norm, greedy_head)
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        with self._threads_for(scheduler_output.num_batched_tokens):
+            return self._execute(scheduler_output)
+
+    @contextlib.contextmanager
+    def _threads_for(self, num_rows: int) -> Iterator[None]:
+        """One-row steps of a model with small layers run on one thread. Measured on 2 vCPUs (SmolLM2,
+        benchmarks/NOTES.md): such a step makes ~60 OpenMP regions, and for int8 / int4 layers (3.5 / 2 MB
+        each) waking the second thread for every region costs more than the half of the work it takes over
+        (one thread decodes 1.3x / 1.1x faster), while bf16 and fp32 layers (6.75 / 14 MB) stream faster
+        from two cores (two threads: 1.3x / 1.5x). A single-threaded step also leaves the other core to the
+        serving processes."""
+        threads = torch.get_num_threads()
+        if (
+            self.device.type != "cpu"
+            or threads == 1
+            or num_rows > 1
+            or self.layer_weight_bytes > SINGLE_THREAD_MAX_LAYER_BYTES
+        ):
+            yield
+            return
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        chunks: list[SequenceChunk] = []
+        input_ids: list[int] = []
+        sample_positions: list[int] = []  # rows of the flattened batch whose next token is sampled
+        sample_rows: list[SampleRow] = []
+        for sched in scheduler_output.scheduled:
+            request = sched.request
+            start, drafts = request.num_computed_tokens, sched.num_draft_tokens
+            tokens = request.token_ids[start : start + sched.num_new_tokens]
+            if drafts:
+                tokens = tokens + request.draft_token_ids[:drafts]
+            chunks.append(SequenceChunk(start, len(tokens), request.block_table))
+            input_ids.extend(tokens)
+            if sched.sample:
+                end = len(input_ids)
+                sample_positions.extend(range(end - drafts - 1, end))
+                sample_rows.extend(SampleRow(request, i) for i in range(drafts + 1))
+        if not chunks:
+            return RunnerOutput(sampled_token_ids=[])
+        hidden = self._forward(chunks, input_ids)
+        if not sample_rows:
+            return RunnerOutput(sampled_token_ids=[[] for _ in chunks])
+        rows = hidden.index_select(0, torch.tensor(sample_positions, dtype=torch.int64, device=self.device))
+        if all(row.greedy_with_bans_only for row in sample_rows):
+            greedy = self.model.greedy_tokens(rows)
+            if greedy is not None:
+                return _split_per_request(
+                    scheduler_output, self._respect_bans(greedy, rows, sample_rows), None
+                )
+        token_ids, logprobs = self.sampler(self.model.compute_logits(rows), sample_rows)
+        return _split_per_request(scheduler_output, token_ids, logprobs)
+
+    def _respect_bans(self, tokens: list[int], rows: torch.Tensor, sample_rows: list[SampleRow]) -> list[int]:
+        """Unprocessed greedy `tokens` with the rows whose token is banned (e.g. the end id before
+        min_tokens, which benchmarks force) redone through full logits and the sampler: banning tokens other
+        than the argmax cannot change it, so only those rows need the logits."""
+        clashes = [
+            i
+            for i, (token, row) in enumerate(zip(tokens, sample_rows, strict=True))
+            if token in row.banned_tokens()
+        ]
+        if clashes:
+            index = torch.tensor(clashes, dtype=torch.int64, device=self.device)
+            redone, _ = self.sampler(
+                self.model.compute_logits(rows.index_select(0, index)), [sample_rows[i] for i in clashes]
+            )
+            for i, token in zip(clashes, redone, strict=True):
+                tokens[i] = token
+        return tokens
+
+    @torch.inference_mode()
+    def score(self, token_ids: Sequence[int], block_table: list[int]) -> torch.Tensor:
+        """Teacher-forced logits at every position of `token_ids` (row i predicts token i + 1): [T, vocab]
+        fp32 on the runner's device. `block_table` comes from the block manager, with room for all T tokens;
+        their K/V overwrite those blocks. The sequence runs as prefill chunks of at most max_num_tokens,
+        like an engine step with chunked context, so scoring needs no more memory than serving."""
+        num_tokens = len(token_ids)
+        if num_tokens == 0:
+            raise ValueError("score needs at least one token")
+        if len(block_table) * self.tokens_per_block < num_tokens:
+            raise ValueError(
+                f"block table of {len(block_table)} blocks cannot hold {num_tokens} tokens "
+                f"({self.tokens_per_block} per block)"
+            )
+        step = self.config.build.max_num_tokens
+        logits = []
+        for start in range(0, num_tokens, step):
+            chunk = list(token_ids[start : start + step])
+            hidden = self._forward([SequenceChunk(start, len(chunk), block_table)], chunk)
+            logits.append(self.model.compute_logits(hidden))
+        return torch.cat(logits)
+
+    def _forward(self, chunks: list[SequenceChunk], input_ids: list[int]) -> torch.Tensor:
+        """The flattened batch of `chunks` (input_ids in chunk order) through the model, K/V written to the
+        cache: final hidden states [T, hidden]."""
+        meta = build_attention_metadata(
+            chunks,
+            self.tokens_per_block,
+            self.device,
+            padded=self.attention_backend == "torch",
+            sliding_window=self.config.model.sliding_window,
+            num_blocks=self.num_kv_blocks,
+        )
+        # The C kernel indexes the RoPE table and the cache without bounds checks.
+        if meta.max_context_len > self.max_positions:
+            raise ValueError(
+                f"position {meta.max_context_len - 1} is beyond the engine's {self.max_positions}"
+            )
+        return self.model.forward(torch.tensor(input_ids, dtype=torch.int64, device=self.device), meta)
+
+
+def _split_per_request(
+    scheduler_output: SchedulerOutput, token_ids: list[int], logprobs: list[float] | None
+) -> RunnerOutput:
+    sampled: list[list[int]] = []
+    sampled_logprobs: list[list[float]] = []
+    row = 0
+    for sched in scheduler_output.scheduled:
+        if not sched.sample:
+            sampled.append([])
+            sampled_logprobs.append([])
+            continue
+        count = sched.num_draft_tokens + 1
+        accepted = accept_drafts(
+            token_ids[row : row + count], sched.request.draft_token_ids[: sched.num_draft_tokens]
+        )
+        sampled.append(accepted)
+        if logprobs is not None:
+            sampled_logprobs.append(logprobs[row : row + len(accepted)])
+        row += count
+    return RunnerOutput(
+        sampled_token_ids=sampled, logprobs=sampled_logprobs if logprobs is not None else None
+    )

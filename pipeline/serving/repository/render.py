@@ -1,0 +1,280 @@
+"""Render pipeline/serving/templates into a Triton model repository for one build config and engine (the
+`package` stage's work). Strict: every `${placeholder}` comes from the build config, an unfilled one is an
+error (never a silent `${x}`: P3), and every config.pbtxt is parsed with Triton's own protobuf schema and
+its ensemble wiring checked before anything is written.
+
+Layout (relocatable: paths inside are relative to each model's version folder):
+
+    ensemble/config.pbtxt, ensemble/1/
+    preprocessing/config.pbtxt, preprocessing/1/{model.py, tokenizer/}
+    tensorrt_llm/config.pbtxt, tensorrt_llm/1/{model.py, engine/}      (torch: engine hard-linked in)
+    postprocessing/config.pbtxt, postprocessing/1/{model.py, tokenizer/}
+    tensorrt_llm_bls/config.pbtxt, tensorrt_llm_bls/1/{model.py, tokenizer/}
+    tensorrt_llm_draft/config.pbtxt, tensorrt_llm_draft/1/                (trtllm draft-target only)
+
+TensorRT-LLM's draft-target speculation (trtllm, speculative.mode=draft_model) runs in the BLS: the draft
+engine is served as `tensorrt_llm_draft` (the tensorrt_llm template, like tensorrtllm_backend's copy of it)
+and the BLS names it in `tensorrt_llm_draft_model_name`. The torch engine drafts for itself: no extra model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import string
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.artifacts import MANIFEST_NAME, link_tree, read_manifest
+from pipeline.config.build_config import BuildConfig
+from pipeline.errors import ConfigError, MissingArtifactError
+from pipeline.serving.repository.pbtxt import check_ensemble, parse_model_config
+
+MODELS = ("ensemble", "preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls")
+DRAFT_MODEL = "tensorrt_llm_draft"
+TOKENIZER_MODELS = ("preprocessing", "postprocessing", "tensorrt_llm_bls")
+TEMPLATE_NAME = "config.pbtxt.tmpl"
+ENGINE_SUBDIR = "engine"
+TOKENIZER_SUBDIR = "tokenizer"
+FRONTEND_NICE_FACT = "frontend_nice"  # the package manifest's record of serving.frontend_nice
+
+
+def templates_dir() -> Path:
+    """The model repository templates, shipped as package data beside this package."""
+    templates = Path(__file__).resolve().parents[1] / "templates"
+    if not (templates / "ensemble" / TEMPLATE_NAME).is_file():
+        raise MissingArtifactError(
+            f"the model repository templates are missing from {templates}",
+            hint="Reinstall llmpipe: the templates are package data of pipeline.serving.",
+        )
+    return templates
+
+
+def _flag(value: bool) -> str:
+    return "true" if value else "false"
+
+
+def _pbtxt_string(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def parameters_block(parameters: dict[str, str]) -> str:
+    """`parameters { key: ... value: { string_value: ... } }` lines, one per parameter, sorted."""
+    return "\n".join(
+        f'parameters {{ key: "{_pbtxt_string(k)}" value: {{ string_value: "{_pbtxt_string(v)}" }} }}'
+        for k, v in sorted(parameters.items())
+    )
+
+
+def torch_parameters(cfg: BuildConfig) -> dict[str, str]:
+    """The torch engine model's parameters: tensorrtllm_backend's keys wherever the concept exists."""
+    kv, serving = cfg.kv_cache, cfg.serving
+    params = {
+        "gpt_model_path": ENGINE_SUBDIR,
+        "max_beam_width": str(cfg.engine.max_beam_width),
+        "batch_scheduler_policy": cfg.scheduler.policy,
+        "enable_chunked_context": _flag(cfg.scheduler.enable_chunked_context),
+        "enable_kv_cache_reuse": _flag(kv.enable_block_reuse),
+        "kv_cache_free_gpu_mem_fraction": repr(float(kv.free_memory_fraction)),
+        "exclude_input_in_output": _flag(serving.exclude_input_in_output),
+        "device": cfg.engine.device,
+        # The engine's own admission bound: what runs plus what Triton may queue.
+        "max_pending_requests": str(cfg.engine.max_batch_size + serving.max_queue_size),
+        "stats_check_period_ms": "100",
+        "cancellation_check_period_ms": "50",
+        "request_timeout_s": repr(float(serving.request_timeout_s)),
+    }
+    if kv.max_tokens is not None:
+        params["max_tokens_in_paged_kv_cache"] = str(kv.max_tokens)
+    return params
+
+
+@dataclass(frozen=True)
+class DraftEngine:
+    """The draft model of TensorRT-LLM's draft-target flow: its build config and the engine path the
+    server opens."""
+
+    cfg: BuildConfig
+    engine_dir: Path
+
+
+def serves_draft_model(cfg: BuildConfig) -> bool:
+    return cfg.backend == "trtllm" and cfg.speculative.mode == "draft_model"
+
+
+def draft_engine(cfg: BuildConfig, *, require_built: bool = False) -> DraftEngine:
+    """speculative.draft_config's engine (the path is read like the torch build reads it: from the
+    current directory); with `require_built`, MissingArtifactError when it was never built."""
+    from pipeline.config.workdir import draft_engine_dir
+
+    return DraftEngine(*draft_engine_dir(cfg, require_built=require_built))
+
+
+def template_values(cfg: BuildConfig, engine_param_path: Path | None = None) -> dict[str, str]:
+    """Every placeholder the templates may use, from the build config."""
+    serving, engine = cfg.serving, cfg.engine
+    drafting = serves_draft_model(cfg)
+    values = {
+        "tensorrt_llm_model_name": "tensorrt_llm",
+        "tensorrt_llm_draft_model_name": DRAFT_MODEL if drafting else "",
+        "num_draft_tokens": str(cfg.speculative.max_draft_len) if drafting else "0",
+        "logits_datatype": "TYPE_FP32",
+        "triton_backend": "python",
+        "triton_max_batch_size": str(serving.triton_max_batch_size or engine.max_batch_size),
+        "decoupled_mode": _flag(serving.decoupled),
+        "max_queue_delay_microseconds": str(serving.max_queue_delay_microseconds),
+        "max_queue_size": str(serving.max_queue_size),
+        "preprocessing_instance_count": str(serving.preprocessing_instance_count),
+        "postprocessing_instance_count": str(serving.postprocessing_instance_count),
+        "bls_instance_count": str(serving.bls_instance_count),
+        "tokenizer_dir": TOKENIZER_SUBDIR,
+        "add_special_tokens": _flag(serving.add_special_tokens),
+        "skip_special_tokens": _flag(serving.skip_special_tokens),
+        "apply_chat_template": _flag(serving.apply_chat_template),
+        "exclude_input_in_output": _flag(serving.exclude_input_in_output),
+        "max_input_len": str(engine.max_input_len),
+        "max_seq_len": str(engine.max_seq_len),
+        "process_nice": str(cfg.serving.frontend_nice),
+    }
+    if cfg.backend == "trtllm":
+        from pipeline.backends.trtllm.triton_params import tensorrt_llm_header, tensorrt_llm_parameters
+
+        values.update(tensorrt_llm_header(cfg))
+        parameters = tensorrt_llm_parameters(cfg, engine_param_path or Path(ENGINE_SUBDIR))
+    else:
+        parameters = torch_parameters(cfg)
+    values["tensorrt_llm_parameters"] = parameters_block(parameters)
+    return values
+
+
+def render_template(model: str, text: str, values: dict[str, str]) -> str:
+    """Substitute strictly; an unknown or malformed placeholder is a ConfigError naming the model."""
+    try:
+        rendered = string.Template(text).substitute(values)
+    except KeyError as err:
+        raise ConfigError(
+            f"model '{model}': template placeholder ${{{err.args[0]}}} has no value in the build config",
+            hint=f"Fill it in pipeline.serving.repository.render.template_values or fix "
+            f"pipeline/serving/templates/{model}/{TEMPLATE_NAME}.",
+        ) from None
+    except ValueError as err:
+        raise ConfigError(f"model '{model}': malformed placeholder in {TEMPLATE_NAME} ({err})") from None
+    if "${" in rendered:
+        line = next(ln for ln in rendered.splitlines() if "${" in ln)
+        raise ConfigError(f"model '{model}': an unfilled placeholder survived rendering: {line.strip()!r}")
+    return rendered
+
+
+def _check_engine_dir(cfg: BuildConfig, engine_dir: Path) -> None:
+    config = engine_dir / "config.json"
+    if not config.is_file():
+        raise MissingArtifactError(
+            f"{engine_dir} has no config.json: not an engine directory",
+            hint="Run `llmpipe engine CONFIG` (or `llmpipe build CONFIG`) first.",
+        )
+    if cfg.backend == "torch":
+        from pipeline.runtime.engine_config import load_engine_config
+
+        load_engine_config(engine_dir)  # the same validation the server runs at load, now
+    else:
+        try:
+            json.loads(config.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as err:
+            raise ConfigError(
+                f"{config}: not valid JSON ({err}); Triton would fail with parse_error.101"
+            ) from None
+    if not (engine_dir / TOKENIZER_SUBDIR).is_dir():
+        raise MissingArtifactError(
+            f"{engine_dir / TOKENIZER_SUBDIR} is missing: the repository needs the engine's tokenizer",
+            hint="Rebuild the engine with `llmpipe build CONFIG --force`.",
+        )
+
+
+def _read_template(templates: Path, model: str) -> str:
+    path = templates / model / TEMPLATE_NAME
+    if not path.is_file():
+        raise MissingArtifactError(f"template {path} is missing")
+    return path.read_text(encoding="utf-8")
+
+
+def render_configs(
+    cfg: BuildConfig,
+    templates: Path,
+    engine_param_path: Path | None = None,
+    draft: DraftEngine | None = None,
+) -> dict[str, str]:
+    """model name -> rendered, parsed and cross-checked config.pbtxt text. Writes nothing. `draft` (trtllm
+    draft-target only) defaults to speculative.draft_config's engine."""
+    values = template_values(cfg, engine_param_path)
+    texts = {model: (model, values) for model in MODELS}
+    if serves_draft_model(cfg):
+        from pipeline.backends.trtllm.triton_params import tensorrt_llm_parameters
+
+        draft = draft or draft_engine(cfg)
+        # The target's deployment (batching, decoupled) with the draft engine's own parameters.
+        draft_values = {
+            **values,
+            "tensorrt_llm_model_name": DRAFT_MODEL,
+            "tensorrt_llm_parameters": parameters_block(tensorrt_llm_parameters(draft.cfg, draft.engine_dir)),
+        }
+        texts[DRAFT_MODEL] = ("tensorrt_llm", draft_values)
+    rendered, parsed = {}, {}
+    for model, (template, model_values) in texts.items():
+        rendered[model] = render_template(model, _read_template(templates, template), model_values)
+        parsed[model] = parse_model_config(model, rendered[model])
+    check_ensemble(parsed)
+    return rendered
+
+
+def packaged_frontend_nice(repo: Path) -> int:
+    """The niceness `llmpipe package` chose for tritonserver (serving.frontend_nice); 0 for a repository it
+    did not write."""
+    manifest = read_manifest(Path(repo))
+    return int(manifest.facts.get(FRONTEND_NICE_FACT, 0)) if manifest is not None else 0
+
+
+def render_model_repository(
+    cfg: BuildConfig, engine_dir: Path, out_dir: Path, templates: Path | None = None
+) -> dict[str, Any]:
+    """Write the model repository for `engine_dir` into `out_dir`; the facts for the stage manifest."""
+    engine_dir, out_dir = Path(engine_dir).resolve(), Path(out_dir)
+    templates = templates or templates_dir()
+    _check_engine_dir(cfg, engine_dir)
+    carries_engine = cfg.backend == "torch"
+    draft = draft_engine(cfg, require_built=True) if serves_draft_model(cfg) else None
+    # TensorRT-LLM's C++ backend opens gpt_model_path as given: point it at the engine stage's folder.
+    configs = render_configs(cfg, templates, None if carries_engine else engine_dir, draft)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for model, text in configs.items():
+        version = out_dir / model / "1"
+        version.mkdir(parents=True, exist_ok=True)
+        (out_dir / model / "config.pbtxt").write_text(text, encoding="utf-8")
+        shim = templates / model / "1" / "model.py"
+        if shim.is_file() and (model != "tensorrt_llm" or carries_engine):
+            shutil.copyfile(shim, version / "model.py")  # a copy: the stub writes __pycache__ beside it
+    if carries_engine:
+        link_tree(engine_dir, out_dir / "tensorrt_llm" / "1" / ENGINE_SUBDIR)
+        # The engine stage's checksums travel with it: the server verifies the weights before loading.
+        if (engine_dir / MANIFEST_NAME).is_file():
+            shutil.copyfile(
+                engine_dir / MANIFEST_NAME, out_dir / "tensorrt_llm" / "1" / ENGINE_SUBDIR / MANIFEST_NAME
+            )
+    for model in TOKENIZER_MODELS:
+        link_tree(engine_dir / TOKENIZER_SUBDIR, out_dir / model / "1" / TOKENIZER_SUBDIR)
+    facts: dict[str, Any] = {
+        "models": list(configs),
+        "backend": cfg.backend,
+        "triton_backend": "python" if carries_engine else "tensorrtllm",
+        "decoupled": cfg.serving.decoupled,
+        "triton_max_batch_size": int(template_values(cfg)["triton_max_batch_size"]),
+        "engine": f"tensorrt_llm/1/{ENGINE_SUBDIR}" if carries_engine else str(engine_dir),
+        "tokenizer": {m: f"{m}/1/{TOKENIZER_SUBDIR}" for m in TOKENIZER_MODELS},
+        "config_sha256": {m: hashlib.sha256(t.encode()).hexdigest() for m, t in configs.items()},
+        "tool_packages": ["tritonclient"],
+        FRONTEND_NICE_FACT: cfg.serving.frontend_nice,
+    }
+    if draft is not None:
+        facts["draft_engine"] = str(draft.engine_dir)
+    return facts

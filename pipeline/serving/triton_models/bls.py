@@ -1,0 +1,383 @@
+"""The `tensorrt_llm_bls` model: the ensemble's inputs and outputs, in one Python model that tokenizes,
+calls `tensorrt_llm` through BLS, and detokenizes incrementally, so streamed text is exact for every
+tokenizer (multi-byte characters, SentencePiece spaces: P8) and concatenated deltas equal the whole text.
+
+Each request is served by its own thread (`execute` returns at once), so requests stream concurrently
+even with one BLS instance. A client that cancels gets its engine request stopped with `stop=true`.
+
+With a draft model (`tensorrt_llm_draft_model_name`, TensorRT-LLM's draft-target flow) a request with
+num_draft_tokens > 0 (the input, else the `num_draft_tokens` parameter) runs draft_target's loop instead;
+its rounds' tokens stream as they come, and a cancelled client ends it between rounds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from pipeline.serving.triton_models import draft_target
+from pipeline.serving.triton_models import triton_utils as tu
+from pipeline.serving.triton_models.detokenizer import IncrementalDetokenizer
+from pipeline.serving.triton_models.io import (
+    BLS_INPUTS,
+    ENGINE_OUTPUTS,
+    SPEC_OUTPUTS,
+    InvalidInputError,
+    scalar,
+    speculative_outputs,
+    word_list_to_sequences,
+)
+from pipeline.serving.triton_models.preprocessing import preprocess
+from pipeline.serving.triton_models.priority import lower_priority
+from pipeline.serving.triton_models.tokenization import PromptEncoder
+
+CANCEL_CHECK_PERIOD_S = 0.05
+# What an engine call asks for unless the client set return_perf_metrics: ENGINE_OUTPUTS less SPEC_OUTPUTS.
+_TEXT_OUTPUTS = tuple(name for name in ENGINE_OUTPUTS if name not in SPEC_OUTPUTS)
+# client input -> preprocessing input (tokenized here)
+_TO_PREPROCESS = {
+    "text_input": "QUERY",
+    "max_tokens": "REQUEST_OUTPUT_LEN",
+    "bad_words": "BAD_WORDS_DICT",
+    "stop_words": "STOP_WORDS_DICT",
+    "end_id": "END_ID",
+    "pad_id": "PAD_ID",
+}
+# preprocessing output -> tensorrt_llm input
+_FROM_PREPROCESS = {
+    "INPUT_ID": "input_ids",
+    "REQUEST_INPUT_LEN": "input_lengths",
+    "REQUEST_OUTPUT_LEN": "request_output_len",
+    "OUT_END_ID": "end_id",
+    "OUT_PAD_ID": "pad_id",
+    "STOP_WORDS_IDS": "stop_words_list",
+    "BAD_WORDS_IDS": "bad_words_list",
+}
+# client input -> tensorrt_llm input, passed as sent
+_PASS_THROUGH = {
+    "top_k": "runtime_top_k",
+    "top_p": "runtime_top_p",
+    "temperature": "temperature",
+    "repetition_penalty": "repetition_penalty",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "min_tokens": "min_tokens",
+    "seed": "seed",
+    "return_log_probs": "return_log_probs",
+    "stream": "streaming",
+    "exclude_input_in_output": "exclude_input_in_output",
+    "return_perf_metrics": "return_perf_metrics",
+}
+
+
+@dataclass(frozen=True)
+class BlsPlan:
+    engine_inputs: dict[str, np.ndarray]  # tensorrt_llm tensors, batch dimension 1
+    prompt_ids: list[int]
+    streaming: bool
+    exclude_input_in_output: bool
+    num_draft_tokens: int | None = None  # the client's num_draft_tokens, when sent
+    return_perf_metrics: bool = False
+
+
+def _flag(inputs: dict[str, np.ndarray], name: str, default: bool) -> bool:
+    value = inputs.get(name)
+    return default if value is None else bool(np.asarray(value).reshape(-1)[0])
+
+
+def plan_request(
+    encoder: PromptEncoder,
+    inputs: dict[str, np.ndarray],
+    max_seq_len: int | None,
+    default_exclude_input: bool,
+) -> BlsPlan:
+    """Client tensors -> the tensorrt_llm request. Raises InvalidInputError."""
+    text = inputs.get("text_input")
+    if text is not None and text.shape[0] != 1:
+        raise InvalidInputError("text_input", f"batch of {text.shape[0]}", "one prompt per request")
+    pre = preprocess(
+        encoder, {_TO_PREPROCESS[k]: v for k, v in inputs.items() if k in _TO_PREPROCESS}, max_seq_len
+    )
+    engine_inputs = {_FROM_PREPROCESS[k]: v for k, v in pre.items()}
+    engine_inputs.update({_PASS_THROUGH[k]: v for k, v in inputs.items() if k in _PASS_THROUGH})
+    prompt = pre["INPUT_ID"][0, : int(pre["REQUEST_INPUT_LEN"][0, 0])].tolist()
+    exclude = _flag(inputs, "exclude_input_in_output", default_exclude_input)
+    engine_inputs["exclude_input_in_output"] = np.array([[exclude]], dtype=np.bool_)
+    num_drafts = scalar(inputs, "num_draft_tokens")
+    if num_drafts is not None and num_drafts < 0:
+        raise InvalidInputError("num_draft_tokens", num_drafts, "must be >= 0 (0 = no speculation)")
+    return BlsPlan(
+        engine_inputs,
+        prompt,
+        _flag(inputs, "stream", False),
+        exclude,
+        num_draft_tokens=None if num_drafts is None else int(num_drafts),
+        return_perf_metrics=_flag(inputs, "return_perf_metrics", False),
+    )
+
+
+class TextAssembler:
+    """Engine responses (numpy dicts) -> the BLS's text responses, streamed or whole."""
+
+    def __init__(self, tokenizer: Any, plan: BlsPlan, skip_special_tokens: bool) -> None:
+        self.tokenizer = tokenizer
+        self.plan = plan
+        self.skip_special_tokens = skip_special_tokens
+        self.detok = IncrementalDetokenizer(tokenizer, plan.prompt_ids, skip_special_tokens)
+        self.token_ids: list[int] = []
+        self.log_probs: list[np.ndarray] = []
+        self.num_streamed_log_probs = 0  # streaming: log-probs already sent with earlier text
+        self.cum_log_probs = np.zeros((1, 1), dtype=np.float32)
+        self.speculative: dict[str, np.ndarray] = {}  # SPEC_OUTPUTS, sent with the final text
+
+    def add(self, engine: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
+        """Fold in one engine response; for streaming, the text delta it completes (None: no text yet)."""
+        count = int(np.asarray(engine["sequence_length"]).reshape(-1)[0])
+        tokens = np.asarray(engine["output_ids"]).reshape(-1)[:count].tolist()
+        self.token_ids += tokens
+        if "cum_log_probs" in engine:
+            self.cum_log_probs = np.asarray(engine["cum_log_probs"], dtype=np.float32).reshape(1, 1)
+        log_probs = np.asarray(engine.get("output_log_probs", np.zeros(0)), dtype=np.float32).reshape(-1)
+        self.log_probs.append(log_probs)
+        if self.plan.return_perf_metrics:
+            self.speculative.update({k: v for k, v in engine.items() if k in SPEC_OUTPUTS})
+        if not self.plan.streaming:
+            return None
+        text = self.detok.add(tokens)
+        return self._outputs(text, self._unsent_log_probs()) if text else None
+
+    def finish(self) -> dict[str, np.ndarray]:
+        """The last response: the held-back rest of a stream, or the whole text of a non-streaming request."""
+        if self.plan.streaming:
+            text = self.detok.flush()
+        elif self.plan.exclude_input_in_output:
+            text = self.detok.add(self.token_ids) + self.detok.flush()
+        else:  # the engine returned prompt + output tokens: decode them like postprocessing does
+            text = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special_tokens)
+        outputs = self._outputs(text, self._unsent_log_probs())
+        if self.plan.return_perf_metrics:
+            outputs.update(self.speculative)
+        return outputs
+
+    def _unsent_log_probs(self) -> np.ndarray:
+        """Log-probs of the tokens whose text goes out now (held-back tokens' ones wait with them)."""
+        every = np.concatenate(self.log_probs) if self.log_probs else np.zeros(0, np.float32)
+        unsent, self.num_streamed_log_probs = every[self.num_streamed_log_probs :], every.size
+        return unsent
+
+    def _outputs(self, text: str, log_probs: np.ndarray) -> dict[str, np.ndarray]:
+        return {
+            "text_output": tu.string_array([text], (1, 1)),
+            "cum_log_probs": self.cum_log_probs,
+            "output_log_probs": log_probs.reshape(1, 1, -1),
+        }
+
+
+class EngineCallError(Exception):
+    """An engine model answered a BLS call with an error; the client gets its message."""
+
+    def __init__(self, model: str, message: str) -> None:
+        super().__init__(f"{model}: {message}")
+        self.invalid_argument = "input '" in message  # the engine named a bad input: the client's mistake
+
+
+def _as_numpy(response: Any) -> dict[str, np.ndarray]:
+    found = {}
+    for name in ENGINE_OUTPUTS:
+        tensor = pb_utils.get_output_tensor_by_name(response, name)
+        if tensor is not None:
+            found[name] = tensor.as_numpy()
+    return found
+
+
+class BlsModel:
+    """TritonPythonModel for `tensorrt_llm_bls` (pipeline/serving/templates/tensorrt_llm_bls/1/model.py)."""
+
+    def initialize(self, args: dict[str, Any]) -> None:
+        config = json.loads(args["model_config"])
+        params = tu.ModelParameters(args["model_name"], config)
+        lower_priority(os.getpid(), params.integer("process_nice", 0, minimum=0))
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
+        self.engine_decoupled = params.boolean("decoupled_mode", self.decoupled)
+        self.engine_model = params.string("tensorrt_llm_model_name", "tensorrt_llm")
+        self.draft_model = params.string("tensorrt_llm_draft_model_name", "")
+        self.num_draft_tokens = params.integer("num_draft_tokens", 0, minimum=0)
+        if self.num_draft_tokens and not self.draft_model:
+            raise tu.ParameterError(
+                args["model_name"],
+                "num_draft_tokens",
+                self.num_draft_tokens,
+                "drafts need a draft model: set tensorrt_llm_draft_model_name, or use 0",
+            )
+        self.skip_special_tokens = params.boolean("skip_special_tokens", True)
+        self.exclude_input_in_output = params.boolean("exclude_input_in_output", False)
+        self.max_seq_len = params.optional_integer("max_seq_len", minimum=2)
+        self.encoder = PromptEncoder.from_dir(
+            params.path("tokenizer_dir", tu.version_dir(args)),
+            add_special_tokens=params.boolean("add_special_tokens", True),
+            apply_chat_template=params.boolean("apply_chat_template", False),
+            max_input_len=params.optional_integer("max_input_len", minimum=1),
+        )
+
+    def execute(self, requests: list[Any]) -> None:
+        for request in requests:
+            inputs = tu.request_inputs(request, BLS_INPUTS)
+            sender = request.get_response_sender()
+            threading.Thread(
+                target=self._serve, args=(inputs, sender), name="llmpipe-bls", daemon=True
+            ).start()
+        return None
+
+    def _serve(self, inputs: dict[str, np.ndarray], sender: Any) -> None:
+        try:
+            plan = plan_request(self.encoder, inputs, self.max_seq_len, self.exclude_input_in_output)
+            if plan.streaming and not self.decoupled:
+                raise InvalidInputError("stream", True, "this deployment is not decoupled and cannot stream")
+            num_drafts = self._num_draft_tokens(plan)
+        except InvalidInputError as err:
+            sender.send(tu.error_response(str(err)), flags=tu.FINAL)
+            return
+        try:
+            if num_drafts:
+                self._generate_draft_target(plan, num_drafts, sender)
+            else:
+                self._generate(plan, sender)
+        except EngineCallError as err:
+            sender.send(tu.error_response(str(err), invalid_argument=err.invalid_argument), flags=tu.FINAL)
+        except Exception as err:  # never let one request take the stub down
+            tu.log_error(f"tensorrt_llm_bls: request failed: {err!r}")
+            sender.send(tu.error_response(f"tensorrt_llm_bls: {err}", invalid_argument=False), flags=tu.FINAL)
+
+    def _num_draft_tokens(self, plan: BlsPlan) -> int:
+        wanted = self.num_draft_tokens if plan.num_draft_tokens is None else plan.num_draft_tokens
+        if wanted and not self.draft_model:
+            raise InvalidInputError(
+                "num_draft_tokens",
+                wanted,
+                "this deployment has no draft model (tensorrt_llm_draft_model_name); a torch engine "
+                "speculates by itself when its build config sets speculative.mode",
+            )
+        return wanted
+
+    def _engine_request(
+        self,
+        inputs: dict[str, np.ndarray],
+        request_id: str,
+        model: str = "",
+        outputs: Sequence[str] = _TEXT_OUTPUTS,
+    ) -> Any:
+        tensors = [pb_utils.Tensor(name, value) for name, value in inputs.items()]
+        return pb_utils.InferenceRequest(
+            model_name=model or self.engine_model,
+            inputs=tensors,
+            request_id=request_id,
+            requested_output_names=list(outputs),
+        )
+
+    def _responses(self, request: Any) -> Iterable[Any]:
+        result = request.exec(decoupled=self.engine_decoupled)
+        return result if self.engine_decoupled else [result]
+
+    def _generate(self, plan: BlsPlan, sender: Any) -> None:
+        request_id = f"bls-{uuid.uuid4().hex}"
+        assembler = TextAssembler(self.encoder.tokenizer, plan, self.skip_special_tokens)
+        cancelled, next_check = False, 0.0
+        # The speculation counters only when the client asked for them (return_perf_metrics).
+        outputs = ENGINE_OUTPUTS if plan.return_perf_metrics else _TEXT_OUTPUTS
+        for response in self._responses(
+            self._engine_request(plan.engine_inputs, request_id, outputs=outputs)
+        ):
+            # is_cancelled() is an IPC round trip: ask at most every CANCEL_CHECK_PERIOD_S, not per token.
+            if not cancelled and time.monotonic() >= next_check:
+                next_check = time.monotonic() + CANCEL_CHECK_PERIOD_S
+                if sender.is_cancelled():
+                    cancelled = True
+                    self._stop_engine(request_id)
+            if cancelled:
+                continue  # drain: the engine ends the stream with its response to the abort
+            if response.has_error():
+                raise EngineCallError(self.engine_model, response.error().message())
+            engine = _as_numpy(response)
+            if "output_ids" not in engine:
+                continue
+            delta = assembler.add(engine)
+            if delta is not None:
+                sender.send(tu.make_response(delta))
+        if cancelled:
+            sender.send(flags=tu.FINAL)
+        else:
+            sender.send(tu.make_response(assembler.finish()), flags=tu.FINAL)
+
+    def _call(self, model: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """One non-streaming engine request; its outputs."""
+        found: dict[str, np.ndarray] = {}
+        for response in self._responses(self._engine_request(inputs, f"bls-{uuid.uuid4().hex}", model)):
+            if response.has_error():
+                raise EngineCallError(model, response.error().message())
+            found.update(_as_numpy(response))
+        return found
+
+    def _generate_draft_target(self, plan: BlsPlan, num_draft_tokens: int, sender: Any) -> None:
+        engine_inputs = plan.engine_inputs
+        end_id = scalar(engine_inputs, "end_id")
+        stop_words = engine_inputs.get("stop_words_list")
+        request = draft_target.DraftTargetRequest(
+            engine_inputs=engine_inputs,
+            prompt_ids=plan.prompt_ids,
+            max_tokens=int(scalar(engine_inputs, "request_output_len") or 0),
+            min_tokens=int(scalar(engine_inputs, "min_tokens") or 0),
+            num_draft_tokens=num_draft_tokens,
+            end_id=int(end_id) if end_id is not None and end_id >= 0 else None,
+            stop_words=word_list_to_sequences(
+                "stop_words_list", None if stop_words is None else np.asarray(stop_words)[0]
+            ),
+        )
+        assembler = TextAssembler(self.encoder.tokenizer, plan, self.skip_special_tokens)
+        # A non-streaming response without exclude_input_in_output carries the prompt, as the engine's would.
+        shown_prompt = [] if plan.streaming or plan.exclude_input_in_output else plan.prompt_ids
+        num_drafts = num_accepted = 0
+        cum_log_prob = 0.0
+        for step in draft_target.rounds(self._call, self.draft_model, self.engine_model, request):
+            num_drafts += step.num_draft_tokens
+            num_accepted += step.num_accepted_draft_tokens
+            log_probs = step.log_probs if step.log_probs is not None else np.zeros(len(step.token_ids))
+            cum_log_prob += float(np.sum(log_probs))
+            tokens, shown_prompt = shown_prompt + step.token_ids, []
+            delta = assembler.add(
+                {
+                    "output_ids": np.array(tokens, dtype=np.int32),
+                    "sequence_length": np.array([[len(tokens)]], dtype=np.int32),
+                    "cum_log_probs": np.array([[cum_log_prob]], dtype=np.float32),
+                    "output_log_probs": np.asarray(log_probs, dtype=np.float32),
+                }
+            )
+            if delta is not None:
+                sender.send(tu.make_response(delta))
+            if sender.is_cancelled():  # between rounds: nothing of ours is left running in the engines
+                sender.send(flags=tu.FINAL)
+                return
+        assembler.speculative.update(speculative_outputs(num_drafts, num_accepted))
+        sender.send(tu.make_response(assembler.finish()), flags=tu.FINAL)
+
+    def _stop_engine(self, request_id: str) -> None:
+        """Cancel our engine request: tensorrtllm_backend's `stop` input, with the same request id."""
+        stop = {
+            "input_ids": np.zeros((1, 1), np.int32),
+            "input_lengths": np.ones((1, 1), np.int32),
+            "request_output_len": np.ones((1, 1), np.int32),
+            "stop": np.ones((1, 1), np.bool_),
+        }
+        for _ in self._responses(self._engine_request(stop, request_id)):
+            pass
+
+    def finalize(self) -> None:
+        self.encoder = None  # type: ignore[assignment]

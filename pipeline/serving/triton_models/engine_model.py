@@ -1,0 +1,291 @@
+"""The `tensorrt_llm` model for the torch backend: Triton is the router, the engine thread is the server.
+
+`execute` only validates and enqueues: each request goes to the EngineThread, whose outputs land on one
+responder thread that sends every response (and updates every metric: see metrics.py for why one
+thread). The responder also asks Triton whether clients went away (`response_sender.is_cancelled()`, every
+cancellation_check_period_ms: an IPC round trip the engine thread need not wait for) and aborts those
+requests; a `stop=true` request aborts the in-flight request that has the same Triton request id; either
+way the request's KV blocks are freed within a step or two. The same code serves decoupled (streaming) and
+non-decoupled deployments: the latter answers each request with exactly one response through its response
+sender.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import triton_python_backend_utils as pb_utils
+
+from pipeline.errors import PipelineError
+from pipeline.runtime.core.outputs import RequestOutput
+from pipeline.runtime.engine.async_engine import EngineThread, QueueFullError
+from pipeline.runtime.engine.llm_engine import LLMEngine
+from pipeline.runtime.engine_config import TOKENIZER_DIR, load_engine_config
+from pipeline.runtime.spec_decode.metrics import spec_decode_stats
+from pipeline.serving.triton_models import triton_utils as tu
+from pipeline.serving.triton_models.io import (
+    ENGINE_INPUTS,
+    EngineLimits,
+    InvalidInputError,
+    StopRequest,
+    engine_outputs,
+    parse_engine_request,
+)
+from pipeline.serving.triton_models.metrics import EngineMetricsExporter
+from pipeline.serving.triton_models.streams import RequestState
+
+POLICIES = ("guaranteed_no_evict", "max_utilization")
+_SHUTDOWN = object()
+# The shortest pause of the responder between cancellation checks (cancellation_check_period_ms=0 means
+# "as often as possible"; this keeps that from spinning a core).
+MIN_CANCEL_CHECK_PERIOD_S = 0.005
+UNSENT_STEPS = 4  # engine outputs the responder may have waiting, in steps of max_batch_size requests
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    engine_dir: Path
+    overrides: dict[str, Any]  # LLMEngine.from_engine_dir keywords
+    exclude_input_in_output: bool
+    max_pending_requests: int
+    stats_period_s: float
+    request_timeout_s: float | None
+    cancellation_check_period_s: float
+
+
+def engine_settings(params: tu.ModelParameters, base: Path) -> EngineSettings:
+    """The model's config.pbtxt parameters (tensorrtllm_backend's names where they exist), validated."""
+    overrides: dict[str, Any] = {}
+    present = params.values
+    if params.integer("max_beam_width", 1) != 1:
+        raise tu.ParameterError(
+            params.model,
+            "max_beam_width",
+            present["max_beam_width"],
+            "the torch engine has no beam search: use 1",
+        )
+    if "batch_scheduler_policy" in present:
+        overrides["policy"] = params.choice("batch_scheduler_policy", POLICIES)
+    if "enable_chunked_context" in present:
+        overrides["enable_chunked_context"] = params.boolean("enable_chunked_context")
+    if "enable_kv_cache_reuse" in present:
+        overrides["enable_block_reuse"] = params.boolean("enable_kv_cache_reuse")
+    kv_tokens = params.optional_integer("max_tokens_in_paged_kv_cache", minimum=1)
+    if kv_tokens is not None:
+        overrides["kv_max_tokens"] = kv_tokens
+    if "kv_cache_free_gpu_mem_fraction" in present:
+        overrides["kv_free_memory_fraction"] = params.real(
+            "kv_cache_free_gpu_mem_fraction", low=0.0, high=1.0
+        )
+    overrides["device"] = params.choice("device", ("auto", "cpu", "cuda"), "auto")
+    return EngineSettings(
+        engine_dir=params.path("gpt_model_path", base),
+        overrides=overrides,
+        exclude_input_in_output=params.boolean("exclude_input_in_output", False),
+        max_pending_requests=params.integer("max_pending_requests", 64, minimum=1),
+        stats_period_s=params.integer("stats_check_period_ms", 100, minimum=1) / 1000.0,
+        cancellation_check_period_s=params.integer("cancellation_check_period_ms", 100, minimum=0) / 1000.0,
+        request_timeout_s=params.real("request_timeout_s", low=0.0)
+        if "request_timeout_s" in present
+        else None,
+    )
+
+
+def _load_tokenizer(engine_dir: Path) -> Any | None:
+    from pipeline.serving.triton_models.tokenization import load_tokenizer
+
+    folder = engine_dir / TOKENIZER_DIR
+    return load_tokenizer(folder) if folder.is_dir() else None
+
+
+class TorchEngineModel:
+    """TritonPythonModel for `tensorrt_llm` with backend python (pipeline/serving/templates/tensorrt_llm/1/model.py)."""
+
+    def initialize(self, args: dict[str, Any]) -> None:
+        config = json.loads(args["model_config"])
+        self.model_name = args["model_name"]
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
+        params = tu.ModelParameters(self.model_name, config)
+        self.settings = engine_settings(params, tu.version_dir(args))
+        try:
+            engine = LLMEngine.from_engine_dir(self.settings.engine_dir, **self.settings.overrides)
+        except PipelineError as err:
+            raise tu.ParameterError(
+                self.model_name,
+                "gpt_model_path",
+                str(self.settings.engine_dir),
+                f"{err.message}" + (f" ({err.hint})" if err.hint else ""),
+            ) from None
+        vocab_size = load_engine_config(self.settings.engine_dir).model.vocab_size
+        self.limits = EngineLimits(engine.config.max_input_len, engine.config.max_seq_len, vocab_size)
+        self.tokenizer = _load_tokenizer(self.settings.engine_dir) if self.decoupled else None
+        self.metrics = EngineMetricsExporter(
+            pb_utils,
+            self.model_name,
+            str(args["model_version"]),
+            engine.config.max_batch_size,
+            engine.runner.tokens_per_block,
+        )
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._states: dict[str, RequestState] = {}  # engine request id -> state
+        self._by_triton_id: dict[str, str] = {}  # client's request id -> engine request id (for `stop`)
+        self._triton_ids: dict[str, str] = {}  # the reverse
+        # Bounded: a full queue blocks the engine thread in its output callback, so the engine stays within
+        # a few steps of what reached the clients. Unbounded, a fast engine (the tiny test model) ran hundreds
+        # of tokens ahead of the responder, and a stream its client cancelled ran to its length unseen.
+        self._outputs: queue.Queue[Any] = queue.Queue(maxsize=UNSENT_STEPS * engine.config.max_batch_size)
+        self.engine = EngineThread(engine, max_pending=self.settings.max_pending_requests)
+        self._responder = threading.Thread(target=self._respond_loop, name="llmpipe-responder", daemon=True)
+        self._responder.start()
+
+    # --- Triton's thread ---
+
+    def execute(self, requests: list[Any]) -> None:
+        for request in requests:
+            self._enqueue(request)
+        return None
+
+    def _enqueue(self, request: Any) -> None:
+        sender = request.get_response_sender()
+        try:
+            parsed = parse_engine_request(
+                tu.request_inputs(request, ENGINE_INPUTS),
+                self.limits,
+                default_exclude_input=self.settings.exclude_input_in_output,
+                decoupled=self.decoupled,
+            )
+        except InvalidInputError as err:
+            _send(sender, tu.error_response(str(err)), final=True)
+            return
+        triton_id = request.request_id()
+        if isinstance(parsed, StopRequest):
+            if not triton_id:  # tensorrtllm_backend refuses it too: nothing tells which request to stop
+                message = "names no request: send it with the request id of the request to cancel"
+                _send(sender, tu.error_response(str(InvalidInputError("stop", True, message))), final=True)
+                return
+            self._stop(triton_id)
+            _send(sender, tu.make_response(engine_outputs([], None, 0.0)), final=True)
+            return
+        engine_id = f"{triton_id or 'request'}#{next(self._ids)}"
+        state = RequestState(
+            engine_id,
+            parsed,
+            sender,
+            self.tokenizer,
+            timeout_s=self.settings.request_timeout_s,
+        )
+        with self._lock:
+            self._states[engine_id] = state
+            if triton_id:
+                self._by_triton_id[triton_id] = engine_id
+                self._triton_ids[engine_id] = triton_id
+        try:
+            self.engine.submit(
+                engine_id,
+                parsed.prompt_ids,
+                parsed.params,
+                callback=self._outputs.put,
+                is_cancelled=state.timed_out,
+            )
+        except Exception as err:
+            self._forget(engine_id)
+            if isinstance(err, QueueFullError):
+                _send(sender, tu.unavailable_response(f"{err} ({err.hint})"), final=True)
+            elif isinstance(err, ValueError | PipelineError):
+                _send(
+                    sender,
+                    tu.error_response(str(err), invalid_argument=isinstance(err, ValueError)),
+                    final=True,
+                )
+            else:
+                raise
+
+    def _stop(self, triton_id: str) -> None:
+        with self._lock:
+            engine_id = self._by_triton_id.get(triton_id) if triton_id else None
+        if engine_id is not None:
+            self.engine.abort(engine_id)
+
+    def _forget(self, engine_id: str) -> RequestState | None:
+        with self._lock:
+            state = self._states.pop(engine_id, None)
+            triton_id = self._triton_ids.pop(engine_id, None)
+            if triton_id is not None and self._by_triton_id.get(triton_id) == engine_id:
+                del self._by_triton_id[triton_id]
+        return state
+
+    # --- responder thread: every send and every metric update happens here ---
+
+    def _respond_loop(self) -> None:
+        stats_period = self.settings.stats_period_s
+        cancel_period = max(self.settings.cancellation_check_period_s, MIN_CANCEL_CHECK_PERIOD_S)
+        next_stats = next_cancel_check = time.monotonic()
+        while True:
+            due = min(next_stats, next_cancel_check) if self._states else next_stats
+            try:
+                item = self._outputs.get(timeout=max(due - time.monotonic(), 0.0))
+            except queue.Empty:
+                item = None
+            if item is _SHUTDOWN:
+                break
+            if item is not None:
+                self._respond(item)
+            now = time.monotonic()
+            if now >= next_cancel_check:
+                self._abort_cancelled()
+                next_cancel_check = now + cancel_period
+            if now >= next_stats:
+                self.metrics.update_gauges(self.engine.stats())
+                next_stats = now + stats_period
+        self.metrics.update_gauges(self.engine.stats())
+
+    def _abort_cancelled(self) -> None:
+        """Abort the requests whose clients went away. Each question is an IPC round trip to tritonserver,
+        so it is asked here and not on the engine thread, whose steps would wait for the answers."""
+        with self._lock:
+            states = list(self._states.values())
+        for state in states:
+            try:
+                cancelled = state.sender.is_cancelled()
+            except Exception as err:  # a request Triton already released: its final response went out
+                tu.log_error(f"could not check request {state.engine_id} for cancellation: {err}")
+                continue
+            if cancelled:
+                self.engine.abort(state.engine_id)
+
+    def _respond(self, output: RequestOutput) -> None:
+        with self._lock:
+            state = self._states.get(output.request_id)
+        if state is None:
+            return
+        reply = state.on_output(output)
+        self.metrics.observe(reply.ttft, reply.itl, len(output.new_token_ids))
+        if output.finished:
+            self._forget(output.request_id)
+            self.metrics.count_finished(output.finish_reason)
+            if output.stats is not None:
+                self.metrics.count_speculation(spec_decode_stats(output.stats, output.num_output_tokens))
+        if reply.error is not None:
+            _send(state.sender, tu.error_response(reply.error, invalid_argument=False), final=True)
+        elif reply.outputs is not None:
+            _send(state.sender, tu.make_response(reply.outputs), final=reply.final)
+
+    def finalize(self) -> None:
+        self.engine.shutdown()  # unfinished requests end with "abort" outputs, answered below
+        self._outputs.put(_SHUTDOWN)
+        self._responder.join(timeout=10)
+
+
+def _send(sender: Any, response: Any, final: bool) -> None:
+    try:
+        sender.send(response, flags=tu.FINAL if final else 0)
+    except Exception as err:  # a cancelled or already-closed request: nothing left to tell the client
+        tu.log_error(f"could not send a response: {err}")

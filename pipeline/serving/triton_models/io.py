@@ -1,0 +1,326 @@
+"""The `tensorrt_llm` model's tensors <-> (prompt ids, SamplingParams) and back. Pure: numpy in, numpy out.
+
+Tensor names, types and meanings are tensorrtllm_backend's (REFERENCE.md §3.4), so a client written for
+TensorRT-LLM works unchanged against the torch engine. Every input arrives with Triton's batch dimension
+first; one request carries one sequence.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipeline.runtime.core.sampling_params import SamplingParams
+
+Inputs = Mapping[str, np.ndarray]
+
+# name -> numpy dtype kind Triton delivers ("i" signed, "u" unsigned, "f" float, "b" bool)
+ENGINE_INPUTS: dict[str, str] = {
+    "input_ids": "i", "input_lengths": "i", "request_output_len": "i", "end_id": "i", "pad_id": "i",
+    "stop_words_list": "i", "bad_words_list": "i", "runtime_top_k": "i", "runtime_top_p": "f",
+    "temperature": "f", "repetition_penalty": "f", "presence_penalty": "f", "frequency_penalty": "f",
+    "min_tokens": "i", "seed": "u", "return_log_probs": "b", "streaming": "b", "stop": "b",
+    "exclude_input_in_output": "b", "return_perf_metrics": "b",
+    "draft_input_ids": "i", "draft_logits": "f", "draft_acceptance_threshold": "f",
+}  # fmt: skip
+# External draft tokens (TensorRT-LLM's draft-target flow, fed by the BLS): the torch engine drafts for
+# itself, so it refuses these rather than silently decoding without them.
+DRAFT_INPUTS = ("draft_input_ids", "draft_logits", "draft_acceptance_threshold")
+# TensorRT-LLM's per-request speculative-decoding outputs, sent with the final response when the request
+# sets return_perf_metrics (as tensorrtllm_backend does).
+SPEC_OUTPUTS = ("acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens")
+ENGINE_OUTPUTS = ("output_ids", "sequence_length", "cum_log_probs", "output_log_probs", *SPEC_OUTPUTS)
+# The ensemble's and the BLS's tensors (tensorrtllm_backend's names), what clients send and receive.
+CLIENT_INPUTS = (
+    "text_input", "max_tokens", "bad_words", "stop_words", "end_id", "pad_id", "top_k", "top_p", "temperature",
+    "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens", "seed", "return_log_probs",
+    "stream", "exclude_input_in_output", "return_perf_metrics",
+)  # fmt: skip
+# The BLS also takes the draft length of its draft-target loop (tensorrtllm_backend's BLS input).
+BLS_INPUTS = (*CLIENT_INPUTS, "num_draft_tokens")
+CLIENT_OUTPUTS = ("text_output", "cum_log_probs", "output_log_probs", *SPEC_OUTPUTS)
+SAMPLING_INPUTS = ("runtime_top_k", "runtime_top_p", "temperature")
+
+
+class InvalidInputError(ValueError):
+    """A request input is wrong; the message names the input, its value and the limit."""
+
+    def __init__(self, name: str, value: object, limit: str) -> None:
+        if value is None:
+            message = f"input '{name}' is missing: {limit}"
+        else:
+            shown = value if isinstance(value, str) and len(value) < 80 else _short(value)
+            message = f"input '{name}'={shown}: {limit}"
+        super().__init__(message)
+        self.name = name
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """What the engine was built for; requests beyond these fail before they are queued."""
+
+    max_input_len: int
+    max_seq_len: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    prompt_ids: list[int]
+    params: SamplingParams
+    streaming: bool
+    exclude_input_in_output: bool
+    return_perf_metrics: bool = False  # add SPEC_OUTPUTS to the final response
+
+
+@dataclass(frozen=True)
+class StopRequest:
+    """`stop=true`: cancel the in-flight request that carries the same Triton request id."""
+
+
+def _short(value: object) -> str:
+    text = repr(value.tolist() if isinstance(value, np.ndarray) else value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _array(inputs: Inputs, name: str) -> np.ndarray | None:
+    value = inputs.get(name)
+    if value is None:
+        return None
+    array = np.asarray(value)
+    kind = ENGINE_INPUTS.get(name)
+    allowed = {"i": "iu", "u": "iu", "f": "fiu", "b": "b"}.get(kind or "", array.dtype.kind)
+    if array.dtype.kind not in allowed:
+        raise InvalidInputError(
+            name, array.dtype.name, f"wrong data type (expected {_TYPE_NAMES[kind or 'i']})"
+        )
+    if array.ndim == 0 or array.shape[0] != 1:
+        batch = array.shape[0] if array.ndim else 0
+        raise InvalidInputError(
+            name,
+            f"batch of {batch}",
+            "one sequence per request (batch dimension 1); send several requests and the engine batches them",
+        )
+    return array[0]
+
+
+_TYPE_NAMES = {"i": "INT32", "u": "UINT64", "f": "FP32", "b": "BOOL"}
+
+
+def scalar(inputs: Inputs, name: str) -> float | int | bool | None:
+    """The single value of a `dims: [1]` input, or None when the client did not send it."""
+    array = _array(inputs, name)
+    if array is None:
+        return None
+    if array.size != 1:
+        raise InvalidInputError(name, array, f"expected one value, got {array.size}")
+    value = array.reshape(-1)[0].item()
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InvalidInputError(name, value, "must be a finite number")
+    return value
+
+
+def word_list_to_sequences(name: str, array: np.ndarray | None) -> tuple[tuple[int, ...], ...]:
+    """tensorrtllm_backend's `[2, L]` word list (row 0: ids of all words; row 1: end offsets, -1 padded)."""
+    if array is None:
+        return ()
+    if array.ndim != 2 or array.shape[0] != 2:
+        raise InvalidInputError(
+            name, f"shape {list(array.shape)}", "expected [2, L] (ids row, end-offsets row)"
+        )
+    ids, offsets = array[0].tolist(), array[1].tolist()
+    words: list[tuple[int, ...]] = []
+    start = 0
+    for end in offsets:
+        if end < 0:
+            break
+        if end <= start or end > len(ids):
+            raise InvalidInputError(name, offsets, "end offsets must increase and stay within the ids row")
+        words.append(tuple(int(t) for t in ids[start:end]))
+        start = end
+    if any(t < 0 for word in words for t in word):
+        raise InvalidInputError(name, ids, "token ids must be >= 0")
+    return tuple(words)
+
+
+def sequences_to_word_list(words: Sequence[Sequence[int]]) -> np.ndarray:
+    """The inverse of word_list_to_sequences: `[2, max(1, total ids)]` int32; no words -> [[0], [-1]]."""
+    ids = [int(t) for word in words for t in word]
+    offsets = list(np.cumsum([len(w) for w in words], dtype=np.int64)) if words else []
+    width = max(1, len(ids))
+    out = np.zeros((2, width), dtype=np.int32)
+    out[1, :] = -1
+    out[0, : len(ids)] = ids
+    out[1, : len(offsets)] = offsets
+    return out
+
+
+def _check_range(name: str, value: float | int, ok: bool, limit: str) -> None:
+    if not ok:
+        raise InvalidInputError(name, value, limit)
+
+
+def _sampling(inputs: Inputs) -> tuple[float, int, float]:
+    """TensorRT-LLM's convention: no top_k/top_p/temperature -> greedy; top_k=0 and top_p=0 -> greedy."""
+    top_k, top_p, temperature = (scalar(inputs, n) for n in SAMPLING_INPUTS)
+    if top_k is not None:
+        _check_range("runtime_top_k", top_k, top_k >= 0, "must be >= 0 (0 = no top-k limit)")
+    if top_p is not None:
+        _check_range("runtime_top_p", top_p, 0 <= top_p <= 1, "must be in [0, 1] (0 = no nucleus limit)")
+    if temperature is not None:
+        _check_range("temperature", temperature, temperature >= 0, "must be >= 0 (0 = greedy)")
+    if not top_k and not top_p:
+        return 0.0, 0, 1.0  # (temperature, top_k, top_p)
+    return 1.0 if temperature is None else float(temperature), int(top_k or 0), float(top_p) if top_p else 1.0
+
+
+def _penalties(inputs: Inputs) -> tuple[float, float, float]:
+    """(repetition, presence, frequency) penalties; absent ones are neutral."""
+    repetition = scalar(inputs, "repetition_penalty")
+    if repetition is not None:
+        _check_range("repetition_penalty", repetition, repetition > 0, "must be > 0 (1 = no penalty)")
+    presence, frequency = (scalar(inputs, name) for name in ("presence_penalty", "frequency_penalty"))
+    return (1.0 if repetition is None else float(repetition), float(presence or 0.0), float(frequency or 0.0))
+
+
+def _prompt(inputs: Inputs, limits: EngineLimits) -> list[int]:
+    ids = _array(inputs, "input_ids")
+    if ids is None:
+        raise InvalidInputError("input_ids", None, "required: the prompt's token ids")
+    ids = ids.reshape(-1)
+    length = scalar(inputs, "input_lengths")
+    num_ids = int(ids.size if length is None else length)
+    _check_range(
+        "input_lengths",
+        num_ids,
+        1 <= num_ids <= ids.size,
+        f"must be between 1 and the {ids.size} ids sent in input_ids",
+    )
+    _check_range(
+        "input_lengths",
+        num_ids,
+        num_ids <= limits.max_input_len,
+        f"prompt is longer than the engine's max_input_len={limits.max_input_len}",
+    )
+    prompt = [int(t) for t in ids[:num_ids]]
+    bad = [t for t in prompt if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise InvalidInputError("input_ids", bad[:5], f"token ids must be in [0, {limits.vocab_size})")
+    return prompt
+
+
+def parse_engine_request(
+    inputs: Inputs, limits: EngineLimits, *, default_exclude_input: bool, decoupled: bool
+) -> EngineRequest | StopRequest:
+    """Validate a `tensorrt_llm` request; raises InvalidInputError naming the input, value and limit."""
+    if scalar(inputs, "stop"):
+        return StopRequest()
+    _refuse_external_drafts(inputs)
+    prompt = _prompt(inputs, limits)
+    max_tokens = scalar(inputs, "request_output_len")
+    if max_tokens is None:
+        raise InvalidInputError("request_output_len", None, "required: how many tokens to generate")
+    _check_range("request_output_len", max_tokens, max_tokens >= 1, "must be >= 1")
+    _check_range(
+        "request_output_len",
+        max_tokens,
+        len(prompt) + max_tokens <= limits.max_seq_len,
+        f"prompt ({len(prompt)} tokens) + request_output_len exceeds the engine's "
+        f"max_seq_len={limits.max_seq_len}; ask for at most {limits.max_seq_len - len(prompt)}",
+    )
+    min_tokens = scalar(inputs, "min_tokens") or 0
+    _check_range("min_tokens", min_tokens, 0 <= min_tokens <= max_tokens, f"must be in [0, {max_tokens}]")
+    end_id = scalar(inputs, "end_id")
+    if end_id is not None:
+        _check_range(
+            "end_id", end_id, -1 <= end_id < limits.vocab_size, f"must be in [-1, {limits.vocab_size})"
+        )
+    pad_id = scalar(inputs, "pad_id")
+    if pad_id is not None:
+        _check_range(
+            "pad_id", pad_id, -1 <= pad_id < limits.vocab_size, f"must be in [-1, {limits.vocab_size})"
+        )
+    seed = scalar(inputs, "seed")
+    if seed is not None:
+        _check_range("seed", seed, seed >= 0, "must be >= 0")
+    streaming = bool(scalar(inputs, "streaming") or False)
+    if streaming and not decoupled:
+        raise InvalidInputError(
+            "streaming",
+            True,
+            "this deployment is not decoupled and cannot stream: "
+            "send stream=false, or package with serving.decoupled=true",
+        )
+    exclude = scalar(inputs, "exclude_input_in_output")
+    temperature, top_k, top_p = _sampling(inputs)
+    repetition, presence, frequency = _penalties(inputs)
+    try:
+        params = SamplingParams(
+            max_tokens=int(max_tokens),
+            min_tokens=int(min_tokens),
+            end_id=None if end_id is None or end_id < 0 else int(end_id),
+            stop_token_ids=word_list_to_sequences("stop_words_list", _array(inputs, "stop_words_list")),
+            bad_token_ids=word_list_to_sequences("bad_words_list", _array(inputs, "bad_words_list")),
+            seed=None if seed is None else int(seed),
+            logprobs=bool(scalar(inputs, "return_log_probs") or False),
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            repetition_penalty=repetition,
+            presence_penalty=presence,
+            frequency_penalty=frequency,
+        )
+    except ValueError as err:  # a combination SamplingParams rejects; its message names the field
+        if isinstance(err, InvalidInputError):
+            raise
+        raise InvalidInputError("sampling", "(combination)", str(err)) from None
+    return EngineRequest(
+        prompt,
+        params,
+        streaming,
+        default_exclude_input if exclude is None else bool(exclude),
+        return_perf_metrics=bool(scalar(inputs, "return_perf_metrics") or False),
+    )
+
+
+def _refuse_external_drafts(inputs: Inputs) -> None:
+    """An empty draft_input_ids means "no drafts" and passes; anything else is TensorRT-LLM's flow."""
+    for name in DRAFT_INPUTS:
+        array = _array(inputs, name)
+        if array is not None and (name != "draft_input_ids" or array.size):
+            raise InvalidInputError(
+                name,
+                array,
+                "the torch engine drafts its own tokens (build with speculative.mode ngram or draft_model); "
+                "external draft tokens are TensorRT-LLM's draft-target flow (backend trtllm)",
+            )
+
+
+def speculative_outputs(num_draft_tokens: int, num_accepted_draft_tokens: int) -> dict[str, np.ndarray]:
+    """SPEC_OUTPUTS, `[batch=1, 1]` each; acceptance_rate is 0 when nothing was drafted."""
+    rate = num_accepted_draft_tokens / num_draft_tokens if num_draft_tokens else 0.0
+    return {
+        "acceptance_rate": np.array([[rate]], dtype=np.float32),
+        "total_accepted_draft_tokens": np.array([[num_accepted_draft_tokens]], dtype=np.int32),
+        "total_draft_tokens": np.array([[num_draft_tokens]], dtype=np.int32),
+    }
+
+
+def engine_outputs(
+    token_ids: Sequence[int], logprobs: Sequence[float] | None, cum_log_prob: float
+) -> dict[str, np.ndarray]:
+    """One response's tensors: `[batch=1, beam=1, ...]` like tensorrtllm_backend's."""
+    count = len(token_ids)
+    return {
+        "output_ids": np.asarray(token_ids, dtype=np.int32).reshape(1, 1, count),
+        "sequence_length": np.array([[count]], dtype=np.int32),
+        "cum_log_probs": np.array([[cum_log_prob]], dtype=np.float32),
+        "output_log_probs": (
+            np.asarray(logprobs, dtype=np.float32).reshape(1, 1, -1)
+            if logprobs is not None
+            else np.zeros((1, 1, count), dtype=np.float32)
+        ),
+    }

@@ -1,0 +1,157 @@
+"""Engine metrics on Triton's :8002/metrics endpoint, through the Python backend's custom-metrics API.
+
+Gauges use tensorrtllm_backend's family and label names (REFERENCE.md §3.8), so dashboards built for
+TensorRT-LLM read the torch engine unchanged; latency histograms and counters are llmpipe's own.
+
+NOTE: every method must be called from ONE thread. Metric updates from several threads of a stub at
+once crash tritonserver 2.51 (SIGSEGV, seen here); the engine model funnels them through its responder.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from pipeline.runtime.core.metrics import LATENCY_BUCKETS_S, MetricsSnapshot
+from pipeline.runtime.spec_decode.metrics import SpecDecodeStats
+
+REQUEST_FAMILY = "nv_trt_llm_request_metrics"
+KV_FAMILY = "nv_trt_llm_kv_cache_block_metrics"
+TTFT_FAMILY = "llmpipe_time_to_first_token_seconds"
+ITL_FAMILY = "llmpipe_inter_token_latency_seconds"
+FINISHED_FAMILY = "llmpipe_requests_finished_total"
+TOKENS_FAMILY = "llmpipe_generated_tokens_total"
+# Speculative decoding, counted when a request finishes: acceptance rate = accepted / draft tokens, accepted
+# tokens per step = accepted tokens / decode steps (each step also adds one token of the target's own).
+SPEC_TOKENS_FAMILY = "llmpipe_spec_decode_tokens_total"
+SPEC_STEPS_FAMILY = "llmpipe_spec_decode_steps_total"
+SPEC_RATE_FAMILY = "llmpipe_spec_decode_acceptance_rate"
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class EngineMetricsExporter:
+    def __init__(
+        self,
+        pb_utils: Any,
+        model: str,
+        version: str,
+        max_batch_size: int,
+        tokens_per_block: int,
+        buckets: Sequence[float] = LATENCY_BUCKETS_S,
+    ) -> None:
+        family = pb_utils.MetricFamily
+        labels = {"model": model, "version": version}
+        # NOTE: the families must outlive their metrics (the backend refuses updates otherwise): keep both.
+        self._families = {
+            REQUEST_FAMILY: family(
+                name=REQUEST_FAMILY, description="Number of requests by state", kind=family.GAUGE
+            ),
+            KV_FAMILY: family(name=KV_FAMILY, description="KV cache blocks by state", kind=family.GAUGE),
+            TTFT_FAMILY: family(
+                name=TTFT_FAMILY,
+                description="Time from arrival to the first output token",
+                kind=family.HISTOGRAM,
+            ),
+            ITL_FAMILY: family(
+                name=ITL_FAMILY, description="Time between output tokens of a request", kind=family.HISTOGRAM
+            ),
+            FINISHED_FAMILY: family(
+                name=FINISHED_FAMILY, description="Requests finished, by finish reason", kind=family.COUNTER
+            ),
+            TOKENS_FAMILY: family(
+                name=TOKENS_FAMILY, description="Output tokens generated", kind=family.COUNTER
+            ),
+            SPEC_TOKENS_FAMILY: family(
+                name=SPEC_TOKENS_FAMILY,
+                description="Speculative draft tokens of finished requests: verified (draft) and accepted",
+                kind=family.COUNTER,
+            ),
+            SPEC_STEPS_FAMILY: family(
+                name=SPEC_STEPS_FAMILY,
+                description="Decode steps of finished requests (each adds its accepted drafts plus one token)",
+                kind=family.COUNTER,
+            ),
+            SPEC_RATE_FAMILY: family(
+                name=SPEC_RATE_FAMILY,
+                description="Accepted / draft tokens over the finished requests since the model loaded",
+                kind=family.GAUGE,
+            ),
+        }
+        requests, kv = self._families[REQUEST_FAMILY], self._families[KV_FAMILY]
+        self.requests = {
+            kind: requests.Metric(labels={**labels, "request_type": kind})
+            for kind in ("waiting", "scheduled", "active", "max")
+        }
+        self.kv_blocks = {
+            kind: kv.Metric(labels={**labels, "kv_cache_block_type": kind})
+            for kind in ("used", "free", "max", "tokens_per")
+        }
+        self.ttft = self._families[TTFT_FAMILY].Metric(labels=labels, buckets=list(buckets))
+        self.itl = self._families[ITL_FAMILY].Metric(labels=labels, buckets=list(buckets))
+        self.finished = {
+            reason: self._families[FINISHED_FAMILY].Metric(labels={**labels, "finish_reason": reason})
+            for reason in FINISH_REASONS
+        }
+        self.tokens = self._families[TOKENS_FAMILY].Metric(labels=labels)
+        self.spec_tokens = {
+            kind: self._families[SPEC_TOKENS_FAMILY].Metric(labels={**labels, "token_type": kind})
+            for kind in ("draft", "accepted")
+        }
+        self.spec_steps = self._families[SPEC_STEPS_FAMILY].Metric(labels=labels)
+        self.spec_rate = self._families[SPEC_RATE_FAMILY].Metric(labels=labels)
+        self._num_draft_tokens = self._num_accepted_draft_tokens = 0
+        self._unreported_tokens = 0
+        self._gauge_values: dict[int, float] = {}  # id(gauge) -> the value last set
+        self.requests["max"].set(max_batch_size)
+        self.kv_blocks["tokens_per"].set(tokens_per_block)
+
+    def update_gauges(self, snapshot: MetricsSnapshot) -> None:
+        """Called every stats period: also adds the output tokens counted since the last call."""
+        self._report_tokens()
+        values = (
+            (self.requests["waiting"], snapshot.num_requests_waiting),
+            (self.requests["scheduled"], snapshot.num_requests_running),
+            (self.requests["active"], snapshot.num_requests_waiting + snapshot.num_requests_running),
+            (self.kv_blocks["used"], snapshot.num_kv_blocks_used),
+            (self.kv_blocks["free"], snapshot.num_kv_blocks_free),
+            (self.kv_blocks["max"], snapshot.num_kv_blocks_total),
+        )
+        for gauge, value in values:
+            if self._gauge_values.get(id(gauge)) != value:  # unchanged values cost no IPC
+                gauge.set(value)
+                self._gauge_values[id(gauge)] = value
+
+    def observe(self, ttft: float | None, itl: Sequence[float], num_tokens: int) -> None:
+        if ttft is not None:
+            self.ttft.observe(ttft)
+        for value in itl:
+            self.itl.observe(value)
+        # NOTE: each metric update is an IPC round trip to tritonserver: the token counter is added up here
+        # and sent once per stats period, or when a request finishes.
+        self._unreported_tokens += num_tokens
+
+    def _report_tokens(self) -> None:
+        if self._unreported_tokens:
+            self.tokens.increment(self._unreported_tokens)
+            self._unreported_tokens = 0
+
+    def count_finished(self, reason: str | None) -> None:
+        self._report_tokens()  # a scrape that sees the request finished also sees all of its tokens
+        metric = self.finished.get(reason or "error")
+        if metric is not None:
+            metric.increment(1)
+
+    def count_speculation(self, stats: SpecDecodeStats) -> None:
+        """A finished request's drafts (all zero when the engine does not speculate)."""
+        counts = (
+            (self.spec_tokens["draft"], stats.num_draft_tokens),
+            (self.spec_tokens["accepted"], stats.num_accepted_draft_tokens),
+            (self.spec_steps, stats.num_decode_steps),
+        )
+        for metric, count in counts:
+            if count:
+                metric.increment(count)
+        self._num_draft_tokens += stats.num_draft_tokens
+        self._num_accepted_draft_tokens += stats.num_accepted_draft_tokens
+        if self._num_draft_tokens:
+            self.spec_rate.set(self._num_accepted_draft_tokens / self._num_draft_tokens)

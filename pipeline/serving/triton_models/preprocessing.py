@@ -1,0 +1,139 @@
+"""The `preprocessing` model: text_input, stop/bad words, end/pad ids -> the tensorrt_llm model's tensors.
+
+I/O names are tensorrtllm_backend's (QUERY -> INPUT_ID, ...). Each row of a request is tokenized alone;
+rows of different lengths are right-padded with the pad id (REQUEST_INPUT_LEN holds the real lengths).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from pipeline.serving.triton_models import triton_utils as tu
+from pipeline.serving.triton_models.io import InvalidInputError
+from pipeline.serving.triton_models.priority import lower_priority
+from pipeline.serving.triton_models.tokenization import PromptEncoder, decode_text
+
+INPUTS = ("QUERY", "REQUEST_OUTPUT_LEN", "BAD_WORDS_DICT", "STOP_WORDS_DICT", "END_ID", "PAD_ID")
+
+
+def _rows(array: np.ndarray | None, batch: int, name: str) -> list[Any]:
+    """Per-row values of an optional input (None rows when absent)."""
+    if array is None:
+        return [None] * batch
+    if array.shape[0] != batch:
+        raise InvalidInputError(
+            name, f"batch of {array.shape[0]}", f"must match text_input's batch of {batch}"
+        )
+    return list(array)
+
+
+def _words(name: str, row: np.ndarray | None) -> list[str]:
+    return [] if row is None else [decode_text(name, w) for w in np.asarray(row).reshape(-1)]
+
+
+def _pad(rows: list[list[int]], value: int) -> np.ndarray:
+    width = max(len(r) for r in rows)
+    out = np.full((len(rows), width), value, dtype=np.int32)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = row
+    return out
+
+
+def _stack_word_lists(lists: list[np.ndarray]) -> np.ndarray:
+    width = max(w.shape[1] for w in lists)
+    out = np.zeros((len(lists), 2, width), dtype=np.int32)
+    out[:, 1, :] = -1
+    for i, w in enumerate(lists):
+        out[i, :, : w.shape[1]] = w
+    return out
+
+
+def _check_output_len(values: np.ndarray, prompts: list[list[int]], max_seq_len: int | None) -> np.ndarray:
+    lengths = np.asarray(values).reshape(len(prompts), -1)
+    for prompt, row in zip(prompts, lengths, strict=True):
+        wanted = int(row[0])
+        if wanted < 1:
+            raise InvalidInputError("max_tokens", wanted, "must be >= 1")
+        if max_seq_len is not None and len(prompt) + wanted > max_seq_len:
+            raise InvalidInputError(
+                "max_tokens",
+                wanted,
+                f"prompt ({len(prompt)} tokens) + max_tokens exceeds the "
+                f"engine's max_seq_len={max_seq_len}; ask for at most {max_seq_len - len(prompt)}",
+            )
+    return lengths.astype(np.int32)
+
+
+def preprocess(
+    encoder: PromptEncoder, inputs: dict[str, np.ndarray], max_seq_len: int | None = None
+) -> dict[str, np.ndarray]:
+    """One request's tensors (batch first) -> its output tensors. Raises InvalidInputError."""
+    query = inputs.get("QUERY")
+    if query is None:
+        raise InvalidInputError("text_input", None, "required: the prompt text")
+    batch = query.shape[0]
+    output_len = inputs.get("REQUEST_OUTPUT_LEN")
+    if output_len is None:
+        raise InvalidInputError("max_tokens", None, "required: how many tokens to generate")
+    prompts, stops, bads, end_ids, pad_ids = [], [], [], [], []
+    rows = zip(
+        list(query),
+        _rows(inputs.get("STOP_WORDS_DICT"), batch, "stop_words"),
+        _rows(inputs.get("BAD_WORDS_DICT"), batch, "bad_words"),
+        _rows(inputs.get("END_ID"), batch, "end_id"),
+        _rows(inputs.get("PAD_ID"), batch, "pad_id"),
+        strict=True,
+    )
+    for text_row, stop_row, bad_row, end_row, pad_row in rows:
+        text = decode_text("text_input", np.asarray(text_row).reshape(-1)[0])
+        prompts.append(encoder.encode_prompt(text))
+        client_end = None if end_row is None else int(np.asarray(end_row).reshape(-1)[0])
+        stops.append(
+            encoder.word_list(_words("stop_words", stop_row), encoder.default_stop_sequences(client_end))
+        )
+        bads.append(encoder.word_list(_words("bad_words", bad_row)))
+        end_ids.append(encoder.end_id if client_end is None else client_end)
+        pad_ids.append(encoder.pad_id if pad_row is None else int(np.asarray(pad_row).reshape(-1)[0]))
+    return {
+        "INPUT_ID": _pad(prompts, encoder.pad_id),
+        "REQUEST_INPUT_LEN": np.array([[len(p)] for p in prompts], dtype=np.int32),
+        "BAD_WORDS_IDS": _stack_word_lists(bads),
+        "STOP_WORDS_IDS": _stack_word_lists(stops),
+        "REQUEST_OUTPUT_LEN": _check_output_len(output_len, prompts, max_seq_len),
+        "OUT_END_ID": np.array(end_ids, dtype=np.int32).reshape(batch, 1),
+        "OUT_PAD_ID": np.array(pad_ids, dtype=np.int32).reshape(batch, 1),
+    }
+
+
+class PreprocessingModel:
+    """TritonPythonModel for `preprocessing` (pipeline/serving/templates/preprocessing/1/model.py)."""
+
+    def initialize(self, args: dict[str, Any]) -> None:
+        import json
+
+        config = json.loads(args["model_config"])
+        params = tu.ModelParameters(args["model_name"], config)
+        lower_priority(os.getpid(), params.integer("process_nice", 0, minimum=0))
+        self.encoder = PromptEncoder.from_dir(
+            params.path("tokenizer_dir", tu.version_dir(args)),
+            add_special_tokens=params.boolean("add_special_tokens", True),
+            apply_chat_template=params.boolean("apply_chat_template", False),
+            max_input_len=params.optional_integer("max_input_len", minimum=1),
+        )
+        self.max_seq_len = params.optional_integer("max_seq_len", minimum=2)
+
+    def execute(self, requests: list[Any]) -> list[Any]:
+        responses = []
+        for request in requests:
+            try:
+                outputs = preprocess(self.encoder, tu.request_inputs(request, INPUTS), self.max_seq_len)
+                responses.append(tu.make_response(outputs))
+            except InvalidInputError as err:
+                responses.append(tu.error_response(str(err)))
+        return responses
+
+    def finalize(self) -> None:
+        self.encoder = None  # type: ignore[assignment]

@@ -1,0 +1,146 @@
+"""Text <-> token ids for serving: prompts, stop/bad word lists, end/pad ids (the preprocessing side).
+
+The tokenizer is the engine's own copy (`<engine>/tokenizer/`), loaded offline with Hugging Face's
+AutoTokenizer; end ids come from its generation_config.json when present, because that is where chat
+models declare the turn-end token they actually stop on (P9: Llama-3's `<|eot_id|>`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline.serving.triton_models.io import InvalidInputError, sequences_to_word_list
+
+GENERATION_CONFIG = "generation_config.json"
+
+
+GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _tokenizer_class(path: Path) -> str | None:
+    config = path / "tokenizer_config.json"
+    if not config.is_file():
+        return None
+    return json.loads(config.read_text(encoding="utf-8")).get("tokenizer_class")
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The HF tokenizer in `path`, offline, never running repository code; pad falls back to eos.
+
+    NOTE: a generic fast tokenizer is loaded through its own class, not AutoTokenizer: AutoTokenizer
+    imports torch (via AutoConfig), which costs each Triton stub ~3 s to start and seconds to stop.
+    """
+    path = Path(path)
+    TokenizerClass: Any  # noqa: N806
+    if _tokenizer_class(path) in GENERIC_TOKENIZER_CLASSES and (path / "tokenizer.json").is_file():
+        try:
+            from transformers import TokenizersBackend as TokenizerClass
+        except ImportError:  # transformers < 5
+            from transformers import PreTrainedTokenizerFast as TokenizerClass
+    else:
+        from transformers import AutoTokenizer as TokenizerClass
+    tokenizer = TokenizerClass.from_pretrained(
+        str(path), local_files_only=True, trust_remote_code=False, padding_side="left"
+    )
+    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _as_ids(value: object) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]  # type: ignore[attr-defined]
+
+
+def end_ids(tokenizer: Any, tokenizer_dir: str | Path) -> list[int]:
+    """End-of-generation ids: generation_config.json's eos_token_id (int or list), else the tokenizer's."""
+    path = Path(tokenizer_dir) / GENERATION_CONFIG
+    if path.is_file():
+        ids = _as_ids(json.loads(path.read_text(encoding="utf-8")).get("eos_token_id"))
+        if ids:
+            return ids
+    return _as_ids(tokenizer.eos_token_id)
+
+
+def decode_text(name: str, raw: object) -> str:
+    """A STRING tensor element (bytes from Triton) as text; invalid UTF-8 is the client's error."""
+    if isinstance(raw, str):
+        return raw
+    data = bytes(raw)  # type: ignore[call-overload]
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise InvalidInputError(
+            name,
+            data[max(0, err.start - 8) : err.start + 8],
+            f"not valid UTF-8 (bad byte at offset {err.start})",
+        ) from None
+
+
+@dataclass
+class PromptEncoder:
+    """What preprocessing and the BLS share: prompt text -> ids, word strings -> word lists, end/pad ids."""
+
+    tokenizer: Any
+    end_ids: list[int]
+    add_special_tokens: bool = True
+    apply_chat_template: bool = False
+    max_input_len: int | None = None
+    _word_cache: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+    @classmethod
+    def from_dir(cls, tokenizer_dir: str | Path, **options: Any) -> PromptEncoder:
+        tokenizer = load_tokenizer(tokenizer_dir)
+        return cls(tokenizer, end_ids(tokenizer, tokenizer_dir), **options)
+
+    @property
+    def end_id(self) -> int:
+        return self.end_ids[0] if self.end_ids else -1
+
+    @property
+    def pad_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return int(pad) if pad is not None else self.end_id
+
+    def encode_prompt(self, text: str, name: str = "text_input") -> list[int]:
+        if not text:
+            raise InvalidInputError(name, "''", "the prompt is empty")
+        add_special = self.add_special_tokens
+        if self.apply_chat_template:
+            text = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+            )
+            add_special = False  # the template writes BOS itself
+        ids = list(self.tokenizer.encode(text, add_special_tokens=add_special))
+        if not ids:
+            raise InvalidInputError(name, text, "encodes to no tokens")
+        if self.max_input_len is not None and len(ids) > self.max_input_len:
+            raise InvalidInputError(
+                name,
+                f"{len(text)} characters",
+                f"the prompt is {len(ids)} tokens, more than the engine's max_input_len={self.max_input_len}",
+            )
+        return ids
+
+    def encode_word(self, word: str) -> tuple[int, ...]:
+        if word not in self._word_cache:
+            self._word_cache[word] = tuple(self.tokenizer.encode(word, add_special_tokens=False))
+        return self._word_cache[word]
+
+    def word_list(self, words: Sequence[str], extra: Sequence[Sequence[int]] = ()) -> np.ndarray:
+        """Stop or bad words as tensorrtllm_backend's `[2, L]` word list; empty strings are ignored."""
+        sequences = [self.encode_word(w) for w in words if w]
+        return sequences_to_word_list([s for s in sequences if s] + [list(e) for e in extra])
+
+    def default_stop_sequences(self, client_end_id: int | None) -> list[list[int]]:
+        """Extra end ids (beyond the first) become one-token stop words, unless the client chose end_id."""
+        return [] if client_end_id is not None else [[i] for i in self.end_ids[1:]]

@@ -1,0 +1,1 @@
+"""Small helpers with no project vocabulary: files, digests, JSONL."""
