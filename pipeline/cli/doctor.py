@@ -16,7 +16,7 @@ from pipeline.backends.trtllm.versions import (
     release_for_runtime,
 )
 from pipeline.cli.options import CONTEXT
-from pipeline.config.build_config import BACKEND_QUANT_MODES
+from pipeline.config.vocab import BACKEND_QUANT_MODES
 from pipeline.errors import PipelineError
 
 

@@ -16,44 +16,22 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from pipeline.config.vocab import (
+    BACKEND_KV_DTYPES,
+    BACKEND_QUANT_MODES,
+    QUANT_ALGO,
+    TUNED_INT4_MODES,
+    QuantMode,
+    SchedulerPolicy,
+)
 from pipeline.errors import ConfigError
-
-QuantMode = Literal[
-    "none", "int8_wo", "int4_wo", "int4_awq", "int4_gptq", "w4a8_awq", "int8_sq", "fp8", "fp8_pc_pt", "nvfp4"
-]
-# Which quantization modes each backend implements; `trtllm` follows ModelOpt's quantize.py --qformat list
-# (which has no GPTQ: TensorRT-LLM only loads GPTQ checkpoints made elsewhere).
-BACKEND_QUANT_MODES: dict[str, tuple[str, ...]] = {
-    "torch": ("none", "int8_wo", "int4_wo", "int4_awq", "int4_gptq"),
-    "trtllm": ("none", "int8_wo", "int4_wo", "int4_awq", "w4a8_awq", "int8_sq", "fp8", "fp8_pc_pt", "nvfp4"),
-}
-# (backend, mode) pairs whose int4 grids quantization.tune can train (backends/torch/grid_tune.py).
-TUNED_INT4_MODES = (("torch", "int4_wo"), ("torch", "int4_awq"), ("torch", "int4_gptq"))
-BACKEND_KV_DTYPES: dict[str, tuple[str, ...]] = {
-    "torch": ("auto", "int8"),
-    "trtllm": ("auto", "int8", "fp8"),
-}
-# quantize.py --qformat -> the checkpoint's quantization.quant_algo (REFERENCE.md §1.3; int4_gptq, torch only,
-# takes the QuantAlgo TensorRT-LLM gives GPTQ checkpoints, §2.2).
-QUANT_ALGO: dict[str, str | None] = {
-    "none": None,
-    "int8_wo": "W8A16",
-    "int4_wo": "W4A16",
-    "int4_awq": "W4A16_AWQ",
-    "int4_gptq": "W4A16_GPTQ",
-    "w4a8_awq": "W4A8_AWQ",
-    "int8_sq": "W8A8_SQ_PER_CHANNEL",
-    "fp8": "FP8",
-    "fp8_pc_pt": "FP8_PER_CHANNEL_PER_TOKEN",
-    "nvfp4": "NVFP4",
-}
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-class SourceConfig(_Strict):
+class SourceSection(_Strict):
     kind: Literal["hub", "local", "gguf"] = Field(
         "gguf",
         description="Where the checkpoint comes from: Hugging Face Hub, a local HF folder, or a GGUF file.",
@@ -80,7 +58,7 @@ class SourceConfig(_Strict):
     )
 
     @model_validator(mode="after")
-    def _check_kind_fields(self) -> SourceConfig:
+    def _check_kind_fields(self) -> SourceSection:
         if self.kind == "hub":
             if not self.repo_id:
                 raise ValueError("source.kind=hub needs source.repo_id (e.g. HuggingFaceTB/SmolLM2-135M)")
@@ -97,7 +75,7 @@ class SourceConfig(_Strict):
         return self
 
 
-class CalibrationConfig(_Strict):
+class CalibrationSection(_Strict):
     dataset: str = Field(
         "builtin", description="'builtin' (ships with llmpipe) or a path to a text/JSONL file."
     )
@@ -109,7 +87,7 @@ class CalibrationConfig(_Strict):
     seed: int = Field(1234, description="Calibration sampling seed (quantize.py --seed).")
 
 
-class GridTuneConfig(_Strict):
+class TuneSection(_Strict):
     block_steps: int = Field(
         0,
         ge=0,
@@ -144,7 +122,7 @@ class GridTuneConfig(_Strict):
         return bool(self.steps or self.block_steps)
 
 
-class QuantizationConfig(_Strict):
+class QuantizationSection(_Strict):
     mode: QuantMode = Field(
         "none", description="Weight/activation format, named as ModelOpt's quantize.py --qformat."
     )
@@ -163,9 +141,11 @@ class QuantizationConfig(_Strict):
         "calibration set (AWQ-style) before rounding; same W8A16 format and kernels. int4_awq and int4_gptq "
         "always do.",
     )
-    calibration: CalibrationConfig = Field(default_factory=CalibrationConfig, description="Calibration data.")
-    tune: GridTuneConfig = Field(
-        default_factory=GridTuneConfig, description="Block-wise and end-to-end int4 grid tuning."
+    calibration: CalibrationSection = Field(
+        default_factory=CalibrationSection, description="Calibration data."
+    )
+    tune: TuneSection = Field(
+        default_factory=TuneSection, description="Block-wise and end-to-end int4 grid tuning."
     )
 
     @property
@@ -177,7 +157,7 @@ class QuantizationConfig(_Strict):
         return None if self.kv_cache_dtype == "auto" else self.kv_cache_dtype.upper()
 
 
-class ParallelConfig(_Strict):
+class ParallelSection(_Strict):
     tp_size: int = Field(1, ge=1, description="Tensor parallelism (GPUs per pipeline stage).")
     pp_size: int = Field(1, ge=1, description="Pipeline parallelism (stages).")
 
@@ -186,7 +166,7 @@ class ParallelConfig(_Strict):
         return self.tp_size * self.pp_size
 
 
-class EngineLimits(_Strict):
+class EngineSection(_Strict):
     max_batch_size: int = Field(
         16, ge=1, description="Most sequences in flight at once (trtllm-build --max_batch_size)."
     )
@@ -210,7 +190,7 @@ class EngineLimits(_Strict):
     )
 
 
-class KvCacheConfig(_Strict):
+class KvCacheSection(_Strict):
     tokens_per_block: int = Field(
         32, ge=1, description="Tokens per paged-KV block (plugin_config.tokens_per_block)."
     )
@@ -234,15 +214,15 @@ class KvCacheConfig(_Strict):
     )
 
 
-class SchedulerConfig(_Strict):
-    policy: Literal["guaranteed_no_evict", "max_utilization"] = Field(
+class SchedulerSection(_Strict):
+    policy: SchedulerPolicy = Field(
         "guaranteed_no_evict",
         description="guaranteed_no_evict admits a request only if its whole sequence fits; max_utilization preempts.",
     )
     enable_chunked_context: bool = Field(False, description="Split long prompts across engine steps.")
 
 
-class ServingConfig(_Strict):
+class ServingSection(_Strict):
     host: str = Field(
         "127.0.0.1", description="Address tritonserver binds to. Loopback unless you mean otherwise."
     )
@@ -275,7 +255,7 @@ class ServingConfig(_Strict):
     )
 
     @model_validator(mode="after")
-    def _check(self) -> ServingConfig:
+    def _check(self) -> ServingSection:
         if self.streaming and not self.decoupled:
             raise ValueError(
                 "serving.streaming=true needs serving.decoupled=true (Triton streams only from decoupled models); "
@@ -304,7 +284,7 @@ class ValidationThresholds(_Strict):
     )
 
 
-class ValidationConfig(_Strict):
+class ValidationSection(_Strict):
     dataset: str = Field("builtin", description="'builtin' eval set or a path to a JSONL file.")
     num_samples: int = Field(16, ge=1, description="Samples per metric.")
     max_new_tokens: int = Field(48, ge=1, description="Generated tokens per summary/answer.")
@@ -313,19 +293,19 @@ class ValidationConfig(_Strict):
     )
 
 
-class NgramConfig(_Strict):
+class NgramSection(_Strict):
     min_match: int = Field(1, ge=1, description="Shortest suffix to look up in the prompt+output.")
     max_match: int = Field(3, ge=1, description="Longest suffix to look up.")
 
 
-class SpeculativeConfig(_Strict):
+class SpeculativeSection(_Strict):
     mode: Literal["none", "draft_model", "ngram", "lookahead", "medusa", "eagle"] = Field(
         "none", description="Drafting method; lookahead/medusa/eagle are TensorRT-LLM (trtllm backend) modes."
     )
     max_draft_len: int = Field(4, ge=1, le=64, description="Draft tokens proposed per step.")
     draft_config: str | None = Field(None, description="Build config of the draft engine (mode=draft_model).")
-    ngram: NgramConfig = Field(
-        default_factory=NgramConfig, description="Prompt-lookup settings (mode=ngram)."
+    ngram: NgramSection = Field(
+        default_factory=NgramSection, description="Prompt-lookup settings (mode=ngram)."
     )
     adaptive: bool = Field(True, description="Shrink the draft length while drafts are being rejected.")
     lookahead_window_size: int = Field(4, ge=1, description="Lookahead window W (mode=lookahead, trtllm).")
@@ -341,7 +321,9 @@ class BuildConfig(_Strict):
     name: str = Field(
         ..., pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="Build name; also the work dir name."
     )
-    source: SourceConfig = Field(default_factory=SourceConfig, description="Where the checkpoint comes from.")
+    source: SourceSection = Field(
+        default_factory=SourceSection, description="Where the checkpoint comes from."
+    )
     backend: Literal["torch", "trtllm"] = Field("torch", description="Engine backend.")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto",
@@ -351,21 +333,23 @@ class BuildConfig(_Strict):
             "fp32 rate on CPUs with AVX512_BF16 (elsewhere correct, not faster); float16 computes in fp32."
         ),
     )
-    quantization: QuantizationConfig = Field(default_factory=QuantizationConfig, description="Quantization.")
-    parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="tp/pp mapping.")
-    engine: EngineLimits = Field(
-        default_factory=EngineLimits, description="Engine limits (trtllm-build flags)."
+    quantization: QuantizationSection = Field(
+        default_factory=QuantizationSection, description="Quantization."
     )
-    kv_cache: KvCacheConfig = Field(default_factory=KvCacheConfig, description="Paged KV cache.")
-    scheduler: SchedulerConfig = Field(
-        default_factory=SchedulerConfig, description="In-flight batching scheduler."
+    parallel: ParallelSection = Field(default_factory=ParallelSection, description="tp/pp mapping.")
+    engine: EngineSection = Field(
+        default_factory=EngineSection, description="Engine limits (trtllm-build flags)."
     )
-    serving: ServingConfig = Field(
-        default_factory=ServingConfig, description="Triton model repository + server."
+    kv_cache: KvCacheSection = Field(default_factory=KvCacheSection, description="Paged KV cache.")
+    scheduler: SchedulerSection = Field(
+        default_factory=SchedulerSection, description="In-flight batching scheduler."
     )
-    validation: ValidationConfig = Field(default_factory=ValidationConfig, description="Accuracy gates.")
-    speculative: SpeculativeConfig = Field(
-        default_factory=SpeculativeConfig, description="Speculative decoding."
+    serving: ServingSection = Field(
+        default_factory=ServingSection, description="Triton model repository + server."
+    )
+    validation: ValidationSection = Field(default_factory=ValidationSection, description="Accuracy gates.")
+    speculative: SpeculativeSection = Field(
+        default_factory=SpeculativeSection, description="Speculative decoding."
     )
     workdir: str | None = Field(
         None, description="Work directory; None = build/<name> beside the current directory."

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from pipeline.config.build_config import CalibrationConfig
+from pipeline.config.build_config import CalibrationSection
 from pipeline.errors import ConfigError, MissingArtifactError, UnsupportedModelError
 from pipeline.quantize.awq_search import InputStats
 from pipeline.util.package_data import DATA_DIR
@@ -81,7 +81,7 @@ def _parse_record(obj: Any, where: str) -> Record:
     )
 
 
-def calibration_samples(tokenizer: Any, calibration: CalibrationConfig) -> list[list[int]]:
+def calibration_samples(tokenizer: Any, calibration: CalibrationSection) -> list[list[int]]:
     """Token ids of `num_samples` records drawn with `seed` (all of them when there are fewer), each cut to
     `max_seq_length` tokens. Chat records go through the tokenizer's chat template when it has one."""
     records = load_records(calibration.dataset)
@@ -105,7 +105,7 @@ class _Captured(Exception):
 
 def layer_input_stats(
     hf_dir: Path,
-    calibration: CalibrationConfig,
+    calibration: CalibrationSection,
     quantized_block: Callable[[int], dict[str, torch.Tensor]] | None = None,
 ) -> tuple[int, Iterator[tuple[int, dict[str, InputStats]]]]:
     """(number of calibration tokens, an iterator over the blocks in order yielding (index, {runtime linear

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from pipeline.config.build_config import CalibrationConfig
+from pipeline.config.build_config import CalibrationSection
 from pipeline.quantize.awq import scale_block, scaled_moment
 from pipeline.quantize.awq_search import WeightFormat, output_error
 from pipeline.quantize.blocks import BlockFacts, Shape, progress_bar
@@ -32,7 +32,7 @@ def apply_gptq(
     tensors: dict[str, torch.Tensor],
     pretrained: dict[str, Any],
     hf_dir: Path,
-    calibration: CalibrationConfig,
+    calibration: CalibrationSection,
     group_size: int,
     *,
     progress: bool = True,

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipeline.config.build_config import BuildConfig, QuantizationConfig
+from pipeline.config.build_config import BuildConfig, QuantizationSection
 from pipeline.errors import ConfigError, MissingArtifactError
 from pipeline.quantize.kv_cache import quantize_kv_only
 from pipeline.runtime.engine_config import TOKENIZER_DIR, WEIGHTS_FILE
@@ -127,7 +127,7 @@ def data_files(cfg: BuildConfig) -> dict[str, Path]:
     return files
 
 
-def _is_activation_aware(q: QuantizationConfig) -> bool:
+def _is_activation_aware(q: QuantizationSection) -> bool:
     """Whether `q` searches its scales on calibration data first (its mode always does, or int8_wo asks)."""
     return q.mode in ACTIVATION_AWARE or q.activation_aware
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.config.vocab import SCHEDULER_POLICIES
 from pipeline.errors import ConfigError, MissingArtifactError, UnsupportedModelError
 
 CONFIG_FILE = "config.json"
@@ -18,7 +19,6 @@ WEIGHTS_FILE = "rank0.safetensors"
 TOKENIZER_DIR = "tokenizer"
 
 DTYPES = ("float32", "float16", "bfloat16")
-SCHEDULER_POLICIES = ("guaranteed_no_evict", "max_utilization")
 # The HF rope_type values the runtime implements (see model/layers.py: rotary_inv_freq).
 ROPE_TYPES = ("default", "linear", "llama3")
 

@@ -21,7 +21,8 @@ from pipeline.backends.trtllm.build_cmd import (
 )
 from pipeline.backends.trtllm.triton_params import tensorrt_llm_header, tensorrt_llm_parameters
 from pipeline.backends.trtllm.versions import FLAG_CHOICES, PINNED, RELEASES
-from pipeline.config.build_config import BACKEND_QUANT_MODES, BuildConfig
+from pipeline.config.build_config import BuildConfig
+from pipeline.config.vocab import BACKEND_QUANT_MODES
 from pipeline.errors import ConfigError
 from pipeline.serving.repository.render import DRAFT_MODEL
 from tests.contract.render import (

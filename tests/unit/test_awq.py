@@ -18,7 +18,7 @@ from pipeline.backends.torch.checkpoint import (
     pretrained_config_from_hf,
     runtime_weights,
 )
-from pipeline.config.build_config import CalibrationConfig, load_build_config
+from pipeline.config.build_config import CalibrationSection, load_build_config
 from pipeline.errors import ConfigError
 from pipeline.quantize.awq import apply_activation_aware_scales, fold_into_producers
 from pipeline.quantize.awq_search import (
@@ -266,12 +266,12 @@ def test_builtin_calibration_and_tuning_texts_are_disjoint_from_the_eval_set() -
 
 def test_calibration_samples_follow_the_config(tiny_llama_dir: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
-    config = CalibrationConfig(num_samples=6, max_seq_length=40, seed=3)
+    config = CalibrationSection(num_samples=6, max_seq_length=40, seed=3)
     first = calibration_samples(tokenizer, config)
     assert len(first) == 6 and all(0 < len(s) <= 40 for s in first)
     assert calibration_samples(tokenizer, config) == first  # the seed decides
     assert calibration_samples(tokenizer, config.model_copy(update={"seed": 4})) != first
-    everything = calibration_samples(tokenizer, CalibrationConfig(num_samples=1000, max_seq_length=4096))
+    everything = calibration_samples(tokenizer, CalibrationSection(num_samples=1000, max_seq_length=4096))
     assert len(everything) == len(load_records("builtin"))
     # chat records go through the chat template
     chat_start = tokenizer.convert_tokens_to_ids("<|im_start|>")
@@ -294,7 +294,7 @@ def test_user_calibration_files(tmp_path: Path) -> None:
 
 
 def test_block_walk_sees_what_the_full_model_feeds_each_linear(tiny_llama_dir: Path) -> None:
-    config = CalibrationConfig(num_samples=3, max_seq_length=64, seed=0)
+    config = CalibrationSection(num_samples=3, max_seq_length=64, seed=0)
     tokens, walk = layer_input_stats(tiny_llama_dir, config)
     walked = dict(walk)
     # The same samples through the whole model, with every linear layer's input recorded.

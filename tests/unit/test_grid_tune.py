@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipeline.backends.torch.build import build
 from pipeline.backends.torch.checkpoint import convert
-from pipeline.config.build_config import CalibrationConfig, load_build_config
+from pipeline.config.build_config import CalibrationSection, load_build_config
 from pipeline.errors import ConfigError
 from pipeline.quantize.calibration import calibration_samples
 from pipeline.quantize.run import quantize
@@ -28,7 +28,7 @@ from tests.serving_helpers import tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-CALIBRATION = CalibrationConfig(num_samples=8, max_seq_length=128, seed=0)
+CALIBRATION = CalibrationSection(num_samples=8, max_seq_length=128, seed=0)
 GROUP = 32
 
 

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from pipeline.backends.torch.build import build
 from pipeline.backends.torch.checkpoint import convert
 from pipeline.cli.main import cli
-from pipeline.config.build_config import CalibrationConfig, load_build_config
+from pipeline.config.build_config import CalibrationSection, load_build_config
 from pipeline.errors import ConfigError
 from pipeline.quantize.awq_search import InputStats, WeightFormat, output_error, search_clip
 from pipeline.quantize.calibration import (
@@ -47,7 +47,7 @@ from tests.serving_helpers import tiny_config
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 ROOT = Path(__file__).resolve().parents[2]
-CALIBRATION = CalibrationConfig(num_samples=8, max_seq_length=128, seed=0)
+CALIBRATION = CalibrationSection(num_samples=8, max_seq_length=128, seed=0)
 GROUP = 32  # the tiny model's layers are 64 or 128 columns wide
 
 
@@ -204,7 +204,7 @@ def test_walk_with_quantized_blocks_sees_what_the_model_with_those_weights_feeds
         "attention.dense.weight": block0.self_attn.o_proj.weight.detach() * 0.5,
         "mlp.proj.weight": block0.mlp.down_proj.weight.detach() * 0.5,
     }
-    config = CalibrationConfig(num_samples=3, max_seq_length=64, seed=0)
+    config = CalibrationSection(num_samples=3, max_seq_length=64, seed=0)
     calls = []
 
     def quantized_block(index: int) -> dict[str, torch.Tensor]:

@@ -7,9 +7,9 @@ import random
 
 import pytest
 
+from pipeline.config.vocab import SCHEDULER_POLICIES
 from pipeline.runtime.core.request import Request
 from pipeline.runtime.core.sampling_params import SamplingParams
-from pipeline.runtime.core.scheduler import POLICIES
 from tests.helpers import (
     WRONG_TOKEN,
     FakeRunner,
@@ -25,7 +25,7 @@ from tests.helpers import (
 def test_random_workloads_respect_budgets_leak_no_blocks_and_match_the_reference(seed: int) -> None:
     rng = random.Random(seed)
     # Every policy x chunking x reuse combination gets 4 seeds; the rest is drawn.
-    policy, chunked, reuse = POLICIES[seed % 2], bool(seed // 2 % 2), bool(seed // 4 % 2)
+    policy, chunked, reuse = SCHEDULER_POLICIES[seed % 2], bool(seed // 2 % 2), bool(seed // 4 % 2)
     block_size = rng.choice([1, 2, 4, 8])
     max_num_tokens = rng.randint(8, 48)
     max_input_len = rng.randint(4, 48) if chunked else max_num_tokens

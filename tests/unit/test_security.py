@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config.build_config import ServingConfig, load_build_config
+from pipeline.config.build_config import ServingSection, load_build_config
 from pipeline.errors import ConfigError, PipelineError
 from pipeline.serving.server.command import ServerOptions, server_args
 
@@ -19,7 +19,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_servers_bind_loopback_by_default() -> None:
-    assert ServingConfig().host == "127.0.0.1"
+    assert ServingSection().host == "127.0.0.1"
     args = server_args(ServerOptions(Path("repo")), None, "p_")
     for flag in ("--http-address", "--grpc-address", "--metrics-address"):
         assert f"{flag}=127.0.0.1" in args, args

@@ -16,9 +16,9 @@ stub_pb_utils.install()
 from pipeline.runtime.core.outputs import RequestOutput  # noqa: E402
 from pipeline.serving.triton_models.detokenizer import IncrementalDetokenizer, decode_all  # noqa: E402
 from pipeline.serving.triton_models.io import (  # noqa: E402
-    EngineLimits,
     EngineRequest,
     InvalidInputError,
+    RequestLimits,
     StopRequest,
     engine_outputs,
     parse_engine_request,
@@ -31,7 +31,7 @@ from pipeline.serving.triton_models.streams import RequestState  # noqa: E402
 from pipeline.serving.triton_models.tokenization import PromptEncoder, decode_text, load_tokenizer  # noqa: E402
 from tests.serving_helpers import MULTIBYTE_PROMPT  # noqa: E402
 
-LIMITS = EngineLimits(max_input_len=32, max_seq_len=64, vocab_size=2000)
+LIMITS = RequestLimits(max_input_len=32, max_seq_len=64, vocab_size=2000)
 
 
 def _req(**inputs: object) -> dict[str, np.ndarray]:

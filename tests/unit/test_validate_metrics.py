@@ -220,7 +220,7 @@ def test_profiles() -> None:
 def test_every_quant_mode_has_defaults() -> None:
     from typing import get_args
 
-    from pipeline.config.build_config import QuantMode
+    from pipeline.config.vocab import QuantMode
 
     assert set(get_args(QuantMode)) | {"exact"} == set(DEFAULTS)
     assert all(len(bounds) == len(GATE_SPECS) for bounds in DEFAULTS.values())

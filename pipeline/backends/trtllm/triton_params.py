@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.config.build_config import BuildConfig
+from pipeline.serving.repository.engine_parameters import engine_parameters, pbtxt_flag
 
 # Fixed values every template of the pinned releases carries verbatim (not `${...}` placeholders).
 FIXED_PARAMETERS: dict[str, str] = {
@@ -25,11 +26,6 @@ FIXED_PARAMETERS: dict[str, str] = {
 # built with draft_tokens_external and the executor picks the matching mode itself; the backend's
 # string parser has no value for it (model_instance_state.cc accepts only the ones below).
 _SPEC_DECODING_MODE: dict[str, str] = {"lookahead": "lookahead", "medusa": "medusa", "eagle": "eagle"}
-
-
-def _flag(value: bool) -> str:
-    # The backend's bool parser accepts true/false (and True/TRUE/1/...); lower case is the documented form.
-    return "true" if value else "false"
 
 
 def decoding_mode(cfg: BuildConfig) -> str | None:
@@ -52,16 +48,9 @@ def tensorrt_llm_parameters(cfg: BuildConfig, engine_dir: Path | str) -> dict[st
         {
             "gpt_model_type": "inflight_fused_batching",
             "gpt_model_path": str(engine_dir),
-            "max_beam_width": str(cfg.engine.max_beam_width),
-            "kv_cache_free_gpu_mem_fraction": repr(float(cfg.kv_cache.free_memory_fraction)),
-            "enable_kv_cache_reuse": _flag(cfg.kv_cache.enable_block_reuse),
-            "batch_scheduler_policy": cfg.scheduler.policy,
-            "enable_chunked_context": _flag(cfg.scheduler.enable_chunked_context),
-            "exclude_input_in_output": _flag(cfg.serving.exclude_input_in_output),
+            **engine_parameters(cfg),
         }
     )
-    if cfg.kv_cache.max_tokens is not None:
-        params["max_tokens_in_paged_kv_cache"] = str(cfg.kv_cache.max_tokens)
     mode = decoding_mode(cfg)
     if mode is not None:
         params["decoding_mode"] = mode
@@ -79,7 +68,7 @@ def tensorrt_llm_header(cfg: BuildConfig) -> dict[str, str]:
     return {
         "triton_backend": "tensorrtllm",
         "triton_max_batch_size": str(serving.triton_max_batch_size or cfg.engine.max_batch_size),
-        "decoupled_mode": _flag(serving.decoupled),
+        "decoupled_mode": pbtxt_flag(serving.decoupled),
         "max_queue_delay_microseconds": str(serving.max_queue_delay_microseconds),
         "max_queue_size": str(serving.max_queue_size),
         "encoder_input_features_data_type": "TYPE_FP16",

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from pipeline.config.build_config import CalibrationConfig, GridTuneConfig
+from pipeline.config.build_config import CalibrationSection, TuneSection
 from pipeline.quantize.calibration import (
     TUNING_TEXT_FIELD,
     calibration_samples,
@@ -55,8 +55,8 @@ HELD_OUT_EVERY = 8
 def tune_int4_grids(
     tensors: dict[str, torch.Tensor],
     hf_dir: Path,
-    calibration: CalibrationConfig,
-    tune: GridTuneConfig,
+    calibration: CalibrationSection,
+    tune: TuneSection,
     group_size: int,
     *,
     progress: bool = True,
@@ -128,7 +128,7 @@ def _tune_end_to_end(
     student: Any,
     grids: list[TunedGrid],
     train: list[list[int]],
-    tune: GridTuneConfig,
+    tune: TuneSection,
     seed: int,
     progress: bool,
 ) -> None:

@@ -11,17 +11,14 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Literal
 
+from pipeline.config.vocab import SCHEDULER_POLICIES, SchedulerPolicy
 from pipeline.runtime.core.block_manager import BlockManager
 from pipeline.runtime.core.metrics import EngineMetrics, MetricsSnapshot
 from pipeline.runtime.core.outputs import RequestOutput, RunnerOutput, ScheduledRequest, SchedulerOutput
 from pipeline.runtime.core.request import Request, RequestStatus
 from pipeline.runtime.core.sampling_params import SamplingParams
 from pipeline.runtime.core.stop_checker import check_stop
-
-Policy = Literal["guaranteed_no_evict", "max_utilization"]
-POLICIES: tuple[str, ...] = ("guaranteed_no_evict", "max_utilization")
 
 
 @dataclass(frozen=True)
@@ -30,9 +27,7 @@ class SchedulerConfig:
     max_num_tokens: int = 2048  # tokens computed in one step, all sequences together
     max_input_len: int = 1024  # longest prompt
     max_seq_len: int = 2048  # longest prompt + output
-    # guaranteed_no_evict: admit only if the whole sequence's blocks can be reserved (never preempts);
-    # max_utilization: admit when the prompt fits, preempt the newest request when blocks run out
-    policy: Policy = "guaranteed_no_evict"
+    policy: SchedulerPolicy = "guaranteed_no_evict"  # see config.vocab
     enable_chunked_context: bool = False  # split prompts longer than the step's remaining token budget
     enable_block_reuse: bool = False  # share full KV blocks between requests with a common prefix
 
@@ -40,8 +35,10 @@ class SchedulerConfig:
         for name in ("max_batch_size", "max_num_tokens", "max_input_len", "max_seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} is invalid: must be >= 1")
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy={self.policy!r} is invalid: choose one of {', '.join(POLICIES)}")
+        if self.policy not in SCHEDULER_POLICIES:
+            raise ValueError(
+                f"policy={self.policy!r} is invalid: choose one of {', '.join(SCHEDULER_POLICIES)}"
+            )
         if self.max_input_len > self.max_seq_len:
             raise ValueError(f"max_input_len={self.max_input_len} exceeds max_seq_len={self.max_seq_len}")
         if not self.enable_chunked_context and self.max_num_tokens < self.max_input_len:

@@ -30,6 +30,7 @@ from typing import Any
 from pipeline.artifacts import MANIFEST_NAME, link_tree, read_manifest
 from pipeline.config.build_config import BuildConfig
 from pipeline.errors import ConfigError, MissingArtifactError
+from pipeline.serving.repository.engine_parameters import engine_parameters, pbtxt_flag
 from pipeline.serving.repository.pbtxt import check_ensemble, parse_model_config
 
 MODELS = ("ensemble", "preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls")
@@ -52,10 +53,6 @@ def templates_dir() -> Path:
     return templates
 
 
-def _flag(value: bool) -> str:
-    return "true" if value else "false"
-
-
 def _pbtxt_string(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
@@ -70,15 +67,10 @@ def parameters_block(parameters: dict[str, str]) -> str:
 
 def torch_parameters(cfg: BuildConfig) -> dict[str, str]:
     """The torch engine model's parameters: tensorrtllm_backend's keys wherever the concept exists."""
-    kv, serving = cfg.kv_cache, cfg.serving
+    serving = cfg.serving
     params = {
+        **engine_parameters(cfg),
         "gpt_model_path": ENGINE_SUBDIR,
-        "max_beam_width": str(cfg.engine.max_beam_width),
-        "batch_scheduler_policy": cfg.scheduler.policy,
-        "enable_chunked_context": _flag(cfg.scheduler.enable_chunked_context),
-        "enable_kv_cache_reuse": _flag(kv.enable_block_reuse),
-        "kv_cache_free_gpu_mem_fraction": repr(float(kv.free_memory_fraction)),
-        "exclude_input_in_output": _flag(serving.exclude_input_in_output),
         "device": cfg.engine.device,
         # The engine's own admission bound: what runs plus what Triton may queue.
         "max_pending_requests": str(cfg.engine.max_batch_size + serving.max_queue_size),
@@ -86,8 +78,6 @@ def torch_parameters(cfg: BuildConfig) -> dict[str, str]:
         "cancellation_check_period_ms": "50",
         "request_timeout_s": repr(float(serving.request_timeout_s)),
     }
-    if kv.max_tokens is not None:
-        params["max_tokens_in_paged_kv_cache"] = str(kv.max_tokens)
     return params
 
 
@@ -123,17 +113,17 @@ def template_values(cfg: BuildConfig, engine_param_path: Path | None = None) -> 
         "logits_datatype": "TYPE_FP32",
         "triton_backend": "python",
         "triton_max_batch_size": str(serving.triton_max_batch_size or engine.max_batch_size),
-        "decoupled_mode": _flag(serving.decoupled),
+        "decoupled_mode": pbtxt_flag(serving.decoupled),
         "max_queue_delay_microseconds": str(serving.max_queue_delay_microseconds),
         "max_queue_size": str(serving.max_queue_size),
         "preprocessing_instance_count": str(serving.preprocessing_instance_count),
         "postprocessing_instance_count": str(serving.postprocessing_instance_count),
         "bls_instance_count": str(serving.bls_instance_count),
         "tokenizer_dir": TOKENIZER_SUBDIR,
-        "add_special_tokens": _flag(serving.add_special_tokens),
-        "skip_special_tokens": _flag(serving.skip_special_tokens),
-        "apply_chat_template": _flag(serving.apply_chat_template),
-        "exclude_input_in_output": _flag(serving.exclude_input_in_output),
+        "add_special_tokens": pbtxt_flag(serving.add_special_tokens),
+        "skip_special_tokens": pbtxt_flag(serving.skip_special_tokens),
+        "apply_chat_template": pbtxt_flag(serving.apply_chat_template),
+        "exclude_input_in_output": pbtxt_flag(serving.exclude_input_in_output),
         "max_input_len": str(engine.max_input_len),
         "max_seq_len": str(engine.max_seq_len),
         "process_nice": str(cfg.serving.frontend_nice),

@@ -23,6 +23,7 @@ from typing import Any
 
 import triton_python_backend_utils as pb_utils
 
+from pipeline.config.vocab import SCHEDULER_POLICIES
 from pipeline.errors import PipelineError
 from pipeline.runtime.core.outputs import RequestOutput
 from pipeline.runtime.engine.async_engine import EngineThread, QueueFullError
@@ -32,8 +33,8 @@ from pipeline.runtime.spec_decode.metrics import spec_decode_stats
 from pipeline.serving.triton_models import triton_utils as tu
 from pipeline.serving.triton_models.io import (
     ENGINE_INPUTS,
-    EngineLimits,
     InvalidInputError,
+    RequestLimits,
     StopRequest,
     engine_outputs,
     parse_engine_request,
@@ -41,7 +42,6 @@ from pipeline.serving.triton_models.io import (
 from pipeline.serving.triton_models.metrics import EngineMetricsExporter
 from pipeline.serving.triton_models.streams import RequestState
 
-POLICIES = ("guaranteed_no_evict", "max_utilization")
 _SHUTDOWN = object()
 # The shortest pause of the responder between cancellation checks (cancellation_check_period_ms=0 means
 # "as often as possible"; this keeps that from spinning a core).
@@ -72,7 +72,7 @@ def engine_settings(params: tu.ModelParameters, base: Path) -> EngineSettings:
             "the torch engine has no beam search: use 1",
         )
     if "batch_scheduler_policy" in present:
-        overrides["policy"] = params.choice("batch_scheduler_policy", POLICIES)
+        overrides["policy"] = params.choice("batch_scheduler_policy", SCHEDULER_POLICIES)
     if "enable_chunked_context" in present:
         overrides["enable_chunked_context"] = params.boolean("enable_chunked_context")
     if "enable_kv_cache_reuse" in present:
@@ -124,7 +124,7 @@ class TorchEngineModel:
                 f"{err.message}" + (f" ({err.hint})" if err.hint else ""),
             ) from None
         vocab_size = load_engine_config(self.settings.engine_dir).model.vocab_size
-        self.limits = EngineLimits(engine.config.max_input_len, engine.config.max_seq_len, vocab_size)
+        self.limits = RequestLimits(engine.config.max_input_len, engine.config.max_seq_len, vocab_size)
         self.tokenizer = _load_tokenizer(self.settings.engine_dir) if self.decoupled else None
         self.metrics = EngineMetricsExporter(
             pb_utils,

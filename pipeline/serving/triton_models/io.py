@@ -59,7 +59,7 @@ class InvalidInputError(ValueError):
 
 
 @dataclass(frozen=True)
-class EngineLimits:
+class RequestLimits:
     """What the engine was built for; requests beyond these fail before they are queued."""
 
     max_input_len: int
@@ -186,7 +186,7 @@ def _penalties(inputs: Inputs) -> tuple[float, float, float]:
     return (1.0 if repetition is None else float(repetition), float(presence or 0.0), float(frequency or 0.0))
 
 
-def _prompt(inputs: Inputs, limits: EngineLimits) -> list[int]:
+def _prompt(inputs: Inputs, limits: RequestLimits) -> list[int]:
     ids = _array(inputs, "input_ids")
     if ids is None:
         raise InvalidInputError("input_ids", None, "required: the prompt's token ids")
@@ -213,7 +213,7 @@ def _prompt(inputs: Inputs, limits: EngineLimits) -> list[int]:
 
 
 def parse_engine_request(
-    inputs: Inputs, limits: EngineLimits, *, default_exclude_input: bool, decoupled: bool
+    inputs: Inputs, limits: RequestLimits, *, default_exclude_input: bool, decoupled: bool
 ) -> EngineRequest | StopRequest:
     """Validate a `tensorrt_llm` request; raises InvalidInputError naming the input, value and limit."""
     if scalar(inputs, "stop"):

@@ -1,0 +1,60 @@
+"""The names llmpipe shares with TensorRT-LLM, declared once: quantization modes and their checkpoint
+`quant_algo`, scheduler policies, KV cache dtypes, and which tensorrtllm_backend model parameter carries each
+build-config field.
+
+The build config follows the LLM API's field names (`kv_cache_config.enable_block_reuse` ->
+`kv_cache.enable_block_reuse`), the Triton model follows tensorrtllm_backend's parameter names
+(`enable_kv_cache_reuse`): both are upstream's names at their layer, and TRITON_ENGINE_PARAMETERS is the
+one place that maps one to the other.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+QuantMode = Literal[
+    "none", "int8_wo", "int4_wo", "int4_awq", "int4_gptq", "w4a8_awq", "int8_sq", "fp8", "fp8_pc_pt", "nvfp4"
+]
+# Which quantization modes each backend implements; `trtllm` follows ModelOpt's quantize.py --qformat list
+# (which has no GPTQ: TensorRT-LLM only loads GPTQ checkpoints made elsewhere).
+BACKEND_QUANT_MODES: dict[str, tuple[str, ...]] = {
+    "torch": ("none", "int8_wo", "int4_wo", "int4_awq", "int4_gptq"),
+    "trtllm": ("none", "int8_wo", "int4_wo", "int4_awq", "w4a8_awq", "int8_sq", "fp8", "fp8_pc_pt", "nvfp4"),
+}
+# (backend, mode) pairs whose int4 grids quantization.tune can train (quantize/tune/).
+TUNED_INT4_MODES = (("torch", "int4_wo"), ("torch", "int4_awq"), ("torch", "int4_gptq"))
+BACKEND_KV_DTYPES: dict[str, tuple[str, ...]] = {
+    "torch": ("auto", "int8"),
+    "trtllm": ("auto", "int8", "fp8"),
+}
+# quantize.py --qformat -> the checkpoint's quantization.quant_algo (tensorrt_llm/quantization/mode.py
+# QuantAlgo names); int4_gptq, torch only, takes the QuantAlgo TensorRT-LLM gives GPTQ checkpoints.
+QUANT_ALGO: dict[str, str | None] = {
+    "none": None,
+    "int8_wo": "W8A16",
+    "int4_wo": "W4A16",
+    "int4_awq": "W4A16_AWQ",
+    "int4_gptq": "W4A16_GPTQ",
+    "w4a8_awq": "W4A8_AWQ",
+    "int8_sq": "W8A8_SQ_PER_CHANNEL",
+    "fp8": "FP8",
+    "fp8_pc_pt": "FP8_PER_CHANNEL_PER_TOKEN",
+    "nvfp4": "NVFP4",
+}
+
+# TensorRT-LLM's batch_scheduler_policy values. guaranteed_no_evict admits a request only if its whole
+# sequence's KV blocks can be reserved (never preempts); max_utilization admits when the prompt fits and
+# preempts the newest request when blocks run out.
+SchedulerPolicy = Literal["guaranteed_no_evict", "max_utilization"]
+SCHEDULER_POLICIES: tuple[SchedulerPolicy, ...] = ("guaranteed_no_evict", "max_utilization")
+
+# Build-config field -> the `tensorrt_llm` model parameter (config.pbtxt) that carries it, on both backends.
+TRITON_ENGINE_PARAMETERS: dict[str, str] = {
+    "engine.max_beam_width": "max_beam_width",
+    "scheduler.policy": "batch_scheduler_policy",
+    "scheduler.enable_chunked_context": "enable_chunked_context",
+    "kv_cache.enable_block_reuse": "enable_kv_cache_reuse",
+    "kv_cache.free_memory_fraction": "kv_cache_free_gpu_mem_fraction",
+    "kv_cache.max_tokens": "max_tokens_in_paged_kv_cache",
+    "serving.exclude_input_in_output": "exclude_input_in_output",
+}
