@@ -16,6 +16,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from pipeline.config.limits import length_limit_errors
 from pipeline.config.vocab import (
     BACKEND_KV_DTYPES,
     BACKEND_QUANT_MODES,
@@ -374,22 +375,16 @@ class BuildConfig(_Strict):
 
 def _check_lengths(cfg: BuildConfig) -> None:
     e = cfg.engine
-    if e.max_input_len > e.max_seq_len:
-        raise ValueError(
-            f"engine.max_input_len={e.max_input_len} exceeds engine.max_seq_len={e.max_seq_len}: "
-            "a prompt must leave room for output; raise max_seq_len or lower max_input_len"
-        )
-    if e.max_num_tokens < e.max_batch_size:
-        raise ValueError(
-            f"engine.max_num_tokens={e.max_num_tokens} < engine.max_batch_size={e.max_batch_size}: every running "
-            "sequence needs at least one token per step; raise max_num_tokens"
-        )
-    if not cfg.scheduler.enable_chunked_context and e.max_num_tokens < e.max_input_len:
-        raise ValueError(
-            f"engine.max_num_tokens={e.max_num_tokens} < engine.max_input_len={e.max_input_len} with "
-            "scheduler.enable_chunked_context=false: the longest prompt can never be scheduled; "
-            "enable chunked context or raise max_num_tokens"
-        )
+    errors = length_limit_errors(
+        max_input_len=e.max_input_len,
+        max_seq_len=e.max_seq_len,
+        max_num_tokens=e.max_num_tokens,
+        max_batch_size=e.max_batch_size,
+        enable_chunked_context=cfg.scheduler.enable_chunked_context,
+        name=lambda field: f"scheduler.{field}" if field == "enable_chunked_context" else f"engine.{field}",
+    )
+    if errors:
+        raise ValueError(errors[0])
 
 
 def _check_kv_capacity(cfg: BuildConfig) -> None:

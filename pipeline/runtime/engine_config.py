@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.config.limits import length_limit_errors
 from pipeline.config.vocab import SCHEDULER_POLICIES
 from pipeline.errors import ConfigError, MissingArtifactError, UnsupportedModelError
 
@@ -273,12 +274,6 @@ def validate_engine_config(config: EngineConfig, origin: str = "config.json") ->
             b.max_seq_len,
             f"<= pretrained_config.max_position_embeddings ({m.max_position_embeddings})",
         ),
-        (
-            b.max_input_len <= b.max_seq_len,
-            "build_config.max_input_len",
-            b.max_input_len,
-            f"<= build_config.max_seq_len ({b.max_seq_len})",
-        ),
     ]
     positive = {
         "pretrained_config.vocab_size": m.vocab_size,
@@ -323,6 +318,18 @@ def validate_engine_config(config: EngineConfig, origin: str = "config.json") ->
     for ok, name, value, limit in checks:
         if not ok:
             raise ConfigError(f"{origin}: {name}={value!r} is invalid: must be {limit}")
+    errors = length_limit_errors(
+        max_input_len=b.max_input_len,
+        max_seq_len=b.max_seq_len,
+        max_num_tokens=b.max_num_tokens,
+        max_batch_size=b.max_batch_size,
+        enable_chunked_context=r.enable_chunked_context,
+        name=lambda field: (
+            f"runtime_defaults.{field}" if field == "enable_chunked_context" else f"build_config.{field}"
+        ),
+    )
+    if errors:
+        raise ConfigError(f"{origin}: {errors[0]}")
     if rope_type(m.rotary_scaling) not in ROPE_TYPES:
         raise UnsupportedModelError(
             f"{origin}: RoPE scaling {rope_type(m.rotary_scaling)!r} is not implemented by the torch runtime; "

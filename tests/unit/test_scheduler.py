@@ -69,7 +69,7 @@ def test_rejects_requests_that_can_never_run() -> None:
     [
         ({"policy": "fcfs"}, "policy='fcfs' is invalid"),
         ({"max_input_len": 200}, "max_input_len=200 exceeds max_seq_len=128"),
-        ({"max_num_tokens": 16}, "max_num_tokens=16 < max_input_len=64"),
+        ({"max_num_tokens": 16}, "max_num_tokens=16 < max_input_len=64 with enable_chunked_context=false"),
         ({"max_batch_size": 0}, "max_batch_size=0 is invalid"),
     ],
 )
@@ -264,7 +264,7 @@ def test_drafts_are_verified_and_rejected_kv_is_rolled_back() -> None:
 
 
 def test_drafts_fit_the_token_budget_and_the_length_limit() -> None:
-    scheduler = make_scheduler(max_num_tokens=4, max_input_len=4)
+    scheduler = make_scheduler(max_num_tokens=4, max_input_len=4, max_batch_size=2)
     runner = FakeRunner(64, 4)
     a, b = make_requests(2, 2, max_tokens=5)
     for request in (a, b):

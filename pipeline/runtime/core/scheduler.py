@@ -12,6 +12,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from pipeline.config.limits import length_limit_errors
 from pipeline.config.vocab import SCHEDULER_POLICIES, SchedulerPolicy
 from pipeline.runtime.core.block_manager import BlockManager
 from pipeline.runtime.core.metrics import EngineMetrics, MetricsSnapshot
@@ -39,13 +40,15 @@ class SchedulerConfig:
             raise ValueError(
                 f"policy={self.policy!r} is invalid: choose one of {', '.join(SCHEDULER_POLICIES)}"
             )
-        if self.max_input_len > self.max_seq_len:
-            raise ValueError(f"max_input_len={self.max_input_len} exceeds max_seq_len={self.max_seq_len}")
-        if not self.enable_chunked_context and self.max_num_tokens < self.max_input_len:
-            raise ValueError(
-                f"max_num_tokens={self.max_num_tokens} < max_input_len={self.max_input_len} with "
-                "enable_chunked_context=False: the longest prompt could never be scheduled"
-            )
+        errors = length_limit_errors(
+            max_input_len=self.max_input_len,
+            max_seq_len=self.max_seq_len,
+            max_num_tokens=self.max_num_tokens,
+            max_batch_size=self.max_batch_size,
+            enable_chunked_context=self.enable_chunked_context,
+        )
+        if errors:
+            raise ValueError(errors[0])
 
 
 class Scheduler:
