@@ -1,7 +1,7 @@
 # llmpipe for NVIDIA GPU hosts: the serving image of the pinned TensorRT-LLM release, with llmpipe in it.
 #
 # Engines are built INSIDE this image, by the same TensorRT-LLM/TensorRT that serves them: a TensorRT plan
-# only loads in the version that wrote it (REFERENCE.md §6, P1). The base tag must stay equal to
+# only loads in the version that wrote it. The base tag must stay equal to
 # pipeline/backends/trtllm/versions.py RELEASES[PINNED].triton_container (a contract test checks it).
 #
 #   make image                      # docker build -t llmpipe:trtllm .

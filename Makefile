@@ -54,11 +54,11 @@ BENCH_ARGS ?=
 bench-deps: install  ## peer engines for `make bench`: llama-cpp-python (compiles from source, minutes), ctranslate2, matplotlib
 	$(PIP) install "$(TORCH)" -e '.[bench]'
 
-bench: install  ## engine (issue 3) + peer comparison (issue 7) -> benchmarks/results/<date>-<machine>*.md (peers: make bench-deps)
+bench: install  ## engine vs HF generate, then llmpipe vs its peers, against our speed targets -> benchmarks/results/<date>-<machine>*.md (peers: make bench-deps)
 	$(PY) scripts/bench_engine.py --out benchmarks/results $(BENCH_ARGS)
 	$(PY) scripts/bench_peers.py --out benchmarks/results $(BENCH_ARGS)
 
-bench-quant: install  ## issue 5's table: size, accuracy (validate stage) and decode speed per quantization mode
+bench-quant: install  ## per quantization mode: engine size, accuracy (validate stage) and decode speed -> benchmarks/results/<date>-<machine>-quant.md
 	$(PY) scripts/quant_table.py --out benchmarks/results
 
 soak: install  ## 20 minutes of mixed traffic against the served tiny model

@@ -1,6 +1,6 @@
-"""Issue 7's default comparison (what `make bench` runs): llmpipe beside its peers on SmolLM2-135M, same
-prompts, same output lengths, same machine, one run, with every speed target marked met / missed / not
-measured. A benchmark, not a test.
+"""The peer comparison (what `make bench` runs): llmpipe beside its peers on SmolLM2-135M, same prompts,
+same output lengths, same machine, one run, with every speed target of benchmarks/harness/targets.py
+marked met / missed / not measured. A benchmark, not a test.
 
 Workloads (greedy, outputs forced to their length):
   - throughput: the first --requests prompts of the shipped prompt set, --output-tokens each; single-stream
@@ -29,15 +29,20 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pipeline.bench import report, suite
-from pipeline.bench.builds import Build, ensure_built
-from pipeline.bench.clients.inprocess import InProcessTarget
-from pipeline.bench.load import RunResult, Target, run_closed_loop
-from pipeline.bench.metrics import percentile, ttft
-from pipeline.bench.requests import BenchRequest
-from pipeline.bench.workloads import LengthSpec, shipped_prompts, synthetic, tokenize
-from pipeline.config.build_config import load_build_config
-from pipeline.errors import ConfigError, PipelineError, run_script
+# this checkout's pipeline, not an installed llmpipe, and benchmarks/harness, which is never installed
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.harness import targets  # noqa: E402
+from pipeline.bench import report, suite  # noqa: E402
+from pipeline.bench.builds import Build, ensure_built  # noqa: E402
+from pipeline.bench.clients.inprocess import InProcessTarget  # noqa: E402
+from pipeline.bench.comparisons import measurements  # noqa: E402
+from pipeline.bench.load import RunResult, Target, run_closed_loop  # noqa: E402
+from pipeline.bench.metrics import percentile, ttft  # noqa: E402
+from pipeline.bench.requests import BenchRequest  # noqa: E402
+from pipeline.bench.workloads import LengthSpec, shipped_prompts, synthetic, tokenize  # noqa: E402
+from pipeline.config.build_config import load_build_config  # noqa: E402
+from pipeline.errors import ConfigError, PipelineError, run_script  # noqa: E402
 
 # precision -> (build config, overrides); int4 has no config file of its own
 BUILDS: dict[str, tuple[str, list[str]]] = {
@@ -323,9 +328,10 @@ def main(argv: list[str] | None = None) -> int:
     results += run_peers(args, wl, base.hf_dir, tokenizer, gguf_file(base.cfg), problems)
     run_dir = args.out / f"{time.strftime('%Y-%m-%d')}-{report.machine_tag()}"
     meta = {"command": command, "problems": problems, "wall_s": round(time.monotonic() - started, 1)}
-    text, verdicts, files = suite.finish(
-        results, run_dir, meta, extra_measurements=keys, include_unmeasured=True
-    )
+    found = {**measurements(results), **keys}
+    verdicts = targets.check(targets.PEER_TARGETS, found)
+    report.write_results(run_dir, results, meta, found, {"targets": [v.row() for v in verdicts]})
+    plots = report.plot(run_dir, results)
     notes = [
         f"Workload: {len(batch)} shipped prompts ({min(r.num_input_tokens for r in batch)}-"
         f"{max(r.num_input_tokens for r in batch)} tokens), {args.output_tokens} output tokens each (forced), greedy. "
@@ -339,18 +345,20 @@ def main(argv: list[str] | None = None) -> int:
         *_burst_note(keys),
         *(f"- Not measured: {p}" for p in problems),
     ]
-    plots = [f for f in files if f.suffix == ".png"]
     page = report.markdown_document(
-        "llmpipe vs peers (issue 7)",
+        "llmpipe vs peers",
         command,
         notes,
         results,
-        verdicts,
+        [targets.section(verdicts)],
         [f"{run_dir.name}/{p.name}" for p in plots],
     )
     page_path = args.out / f"{run_dir.name}.md"
     page_path.write_text(page)
-    print(text)
+    rows = [report.summary_row(r) for r in results]
+    print(report.format_table(rows, report.columns_for(rows)))
+    print()
+    print(targets.table(verdicts))
     print(f"\nwrote {page_path} and {run_dir}/", file=sys.stderr)
     return 0
 

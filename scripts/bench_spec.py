@@ -1,4 +1,4 @@
-"""Issue 9's speculative-decoding benchmark (a benchmark, not a timed test): single-request decode speed
+"""The speculative-decoding benchmark (a benchmark, not a timed test): single-request decode speed
 of the torch engine with and without prompt lookup (NgramProposer) on SmolLM2-135M, on three workloads:
 
   copy      "edit this code" prompts over Python standard-library functions: the answer mostly copies the
@@ -11,7 +11,8 @@ of the torch engine with and without prompt lookup (NgramProposer) on SmolLM2-13
 The two settings are two engines over the same engine directory that decode each prompt side by side,
 one step each in turn, so the background load of a shared machine hits both sides of every ratio alike. Reports decode tokens/s
 (output tokens after the first, over the time after the first), their ratio, the acceptance rate and the
-accepted tokens per decode step, and checks that every output is identical with speculation on and off.
+accepted tokens per decode step, checks that every output is identical with speculation on and off, and
+marks the speculation targets of benchmarks/harness/targets.py met or missed.
 
     python scripts/bench_spec.py                      # all workloads, 1 thread
     python scripts/bench_spec.py --workloads copy --prompts 4 --max-tokens 96   # a quick look
@@ -29,15 +30,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pipeline  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads)
-from pipeline.bench.builds import ensure_built
-from pipeline.bench.report import load_1m
-from pipeline.bench.spec_workloads import code_edit_prompt, code_snippets
-from pipeline.bench.workloads import chat_ids, shipped_prompts
-from pipeline.errors import run_script
-from pipeline.runtime.core.sampling_params import SamplingParams
-from pipeline.runtime.engine.llm_engine import LLMEngine
-from pipeline.runtime.spec_decode.metrics import spec_decode_stats
+# this checkout's pipeline, not an installed llmpipe, and benchmarks/harness, which is never installed
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import pipeline  # noqa: E402, F401  (sets OMP_WAIT_POLICY before torch loads)
+from benchmarks.harness import targets  # noqa: E402
+from pipeline.bench.builds import ensure_built  # noqa: E402
+from pipeline.bench.report import load_1m  # noqa: E402
+from pipeline.bench.spec_workloads import code_edit_prompt, code_snippets  # noqa: E402
+from pipeline.bench.workloads import chat_ids, shipped_prompts  # noqa: E402
+from pipeline.errors import run_script  # noqa: E402
+from pipeline.runtime.core.sampling_params import SamplingParams  # noqa: E402
+from pipeline.runtime.engine.llm_engine import LLMEngine  # noqa: E402
+from pipeline.runtime.spec_decode.metrics import spec_decode_stats  # noqa: E402
 
 
 @dataclass
@@ -193,6 +198,21 @@ def summarize(results: dict[str, dict[str, Side]]) -> list[dict[str, Any]]:
     return rows
 
 
+# the workloads as `llmpipe bench --dataset` names them in its measurement keys
+DATASETS = {"copy": "code-edit", "chat": "builtin"}
+
+
+def measurement_keys(rows: list[dict[str, Any]], precision: str) -> dict[str, float]:
+    """The rows' decode speeds under the keys of a `llmpipe bench --speculation none,ngram` run."""
+    found = {}
+    for row in rows:
+        if row["workload"] in DATASETS:
+            base = f"llmpipe.{precision}.inprocess.{DATASETS[row['workload']]}"
+            found[f"{base}.none.single_decode_tok_s"] = row["tok_s_off"]
+            found[f"{base}.ngram.single_decode_tok_s"] = row["tok_s_on"]
+    return found
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
     lines = ["| " + " | ".join(h for _, h in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join("-" if r[k] is None else str(r[k]) for k, _ in COLUMNS) + " |" for r in rows]
@@ -227,11 +247,20 @@ def main(argv: list[str] | None = None) -> int:
     load = load_1m()
     results = measure(engines, cases)
     rows = summarize(results)
+    verdicts = targets.check(targets.SPECULATION_TARGETS, measurement_keys(rows, build.precision))
     print(f"\n{command}\nload avg (1 min) at start: {load}, threads: {args.threads}\n")
     print(markdown(rows))
+    print()
+    print(targets.table(verdicts))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"command": command, "load_1m": load, "rows": rows}, indent=2) + "\n")
+        args.out.write_text(
+            json.dumps(
+                {"command": command, "load_1m": load, "rows": rows, "targets": [v.row() for v in verdicts]},
+                indent=2,
+            )
+            + "\n"
+        )
     return 0
 
 

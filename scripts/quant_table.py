@@ -1,4 +1,4 @@
-"""Issue 5's table on SmolLM2-135M, one row per quantization mode: engine size, accuracy against the HF
+"""The quantization table on SmolLM2-135M, one row per quantization mode: engine size, accuracy against the HF
 float32 reference (the `validate` stage's metrics: greedy agreement, top-1 agreement, mean KL, perplexity
 delta, ROUGE-L drop) and decode tok/s of one request and of 16 concurrent ones. A benchmark, not a test.
 
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         page = args.out / f"{time.strftime('%Y-%m-%d')}-{report.machine_tag()}-quant.md"
         page.parent.mkdir(parents=True, exist_ok=True)
         page.write_text(
-            "# Quantization modes on SmolLM2-135M (issue 5)\n\n"
+            "# Quantization modes on SmolLM2-135M\n\n"
             f"Command: `{command}`\n\n"
             "Accuracy: the `validate` stage against the HF float32 reference (builtin eval set; see "
             "pipeline/data/eval/README.md). Decode: greedy, random "

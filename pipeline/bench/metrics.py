@@ -1,6 +1,6 @@
 """Benchmark metrics as pure functions over per-request timestamp records.
 
-Definitions follow the field's tools (REFERENCE.md §5):
+Definitions follow the field's tools (GenAI-Perf, trtllm-bench, vLLM's benchmark_serving):
 - TTFT: request sent -> first response carrying tokens (queueing, prefill and transport included);
 - ITL: gap between consecutive responses divided by the tokens in the later one, one value per response
   after the first (genai-perf); all requests' values are pooled;

@@ -13,9 +13,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from pipeline.bench.comparisons import Ratio
 from pipeline.bench.load import RunResult
 from pipeline.bench.metrics import Distribution, RequestRecord, e2e_latency, ttft
-from pipeline.bench.targets import Verdict
 from pipeline.errors import MissingArtifactError
 
 # (column, header) of the summary table; latencies in ms except e2e in s
@@ -156,20 +156,17 @@ def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, 
     return "\n".join(lines)
 
 
-VERDICT_COLUMNS = (
-    ("description", "target"),
-    ("goal", "goal"),
-    ("measured", "measured"),
+RATIO_COLUMNS = (
+    ("description", "comparison"),
+    ("ratio", "ratio"),
     ("numerator_value", "ours"),
     ("denominator_value", "baseline"),
     ("denominator", "baseline key"),
-    ("status", "status"),
 )
 
 
-def verdict_table(verdicts: Sequence[Verdict], markdown: bool = False) -> str:
-    rows = [v.row() for v in verdicts]
-    return markdown_table(rows, VERDICT_COLUMNS) if markdown else format_table(rows, VERDICT_COLUMNS)
+def ratio_table(ratios: Sequence[Ratio]) -> str:
+    return format_table([r.row() for r in ratios], RATIO_COLUMNS)
 
 
 def load_1m() -> float | None:
@@ -212,11 +209,12 @@ def _compact_records(result: RunResult) -> list[dict[str, Any]]:
 def write_results(
     out_dir: Path,
     results: Sequence[RunResult],
-    verdicts: Sequence[Verdict] = (),
     meta: dict[str, Any] | None = None,
     measurements: dict[str, float] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> list[Path]:
-    """results.json (summaries, targets, per-request records) and results.csv (one row per run)."""
+    """results.json (summaries, measurements, per-request records, then `extra`'s entries) and
+    results.csv (one row per run)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = [summary_row(r) for r in results]
     data = {
@@ -226,7 +224,7 @@ def write_results(
             for row, r in zip(rows, results, strict=True)
         ],
         "measurements": measurements or {},
-        "targets": [v.row() for v in verdicts],
+        **(extra or {}),
     }
     json_path = out_dir / "results.json"
     json_path.write_text(json.dumps(data, indent=2, default=str) + "\n")
@@ -353,11 +351,11 @@ def markdown_document(
     command: str,
     notes: Sequence[str],
     results: Sequence[RunResult],
-    verdicts: Sequence[Verdict],
+    sections: Sequence[str] = (),
     plot_links: Sequence[str] = (),
 ) -> str:
-    """A results page: how it was run, on what, the runs table, the targets, the plots (links relative
-    to the page)."""
+    """A results page: how it was run, on what, the runs table, further markdown `sections`, the plots
+    (links relative to the page)."""
     facts = machine_facts()
     rows = [summary_row(r) for r in results]
     lines = [
@@ -372,8 +370,8 @@ def markdown_document(
         "",
         markdown_table(rows, columns_for(rows, MARKDOWN_COLUMNS)),
     ]
-    if verdicts:
-        lines += ["", "Targets (ratios within this run):", "", verdict_table(verdicts, markdown=True)]
+    for section in sections:
+        lines += ["", section]
     if plot_links:
         lines += ["", *(f"![{Path(link).stem}]({link})" for link in plot_links)]
     return "\n".join(lines) + "\n"

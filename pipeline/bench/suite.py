@@ -1,4 +1,4 @@
-"""One benchmark session: run a target over a concurrency sweep or request rates, run the peers on the
+"""One benchmark: run a target over a concurrency sweep or request rates, run the peers on the
 same requests, then write the table, results.json/CSV and plots. The `bench` command and the scripts
 in scripts/ are thin wrappers around this."""
 
@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.bench import report
+from pipeline.bench.comparisons import PEER_COMPARISONS, SPECULATION_COMPARISONS, compare, measurements
 from pipeline.bench.load import RunResult, Target, run_closed_loop, run_open_loop
 from pipeline.bench.peers import Peer
 from pipeline.bench.requests import BenchRequest
-from pipeline.bench.targets import ISSUE7_TARGETS, ISSUE9_TARGETS, Verdict, check, measurements
 from pipeline.errors import ConfigError
 
 # --compare names -> (peer family, precisions)
@@ -206,22 +206,19 @@ def finish(
     out_dir: Path,
     meta: dict[str, Any],
     plots: bool = True,
-    extra_measurements: dict[str, float] | None = None,
-    include_unmeasured: bool = False,
-) -> tuple[str, list[Verdict], list[Path]]:
-    """Print-ready table, the issue-7 target verdicts (only those this run could check unless
-    `include_unmeasured`), and the files written."""
+) -> tuple[str, list[Path]]:
+    """Print-ready text (the runs table, then the side-by-side ratios this run measured both sides of)
+    and the files written."""
     rows = [report.summary_row(r) for r in results]
-    found = {**measurements(results), **(extra_measurements or {})}
-    targets = (*ISSUE7_TARGETS, *ISSUE9_TARGETS)
-    verdicts = [v for v in check(targets, found) if include_unmeasured or v.status != "not measured"]
-    files = report.write_results(out_dir, results, verdicts, meta, found)
+    found = measurements(results)
+    ratios = [r for r in compare((*PEER_COMPARISONS, *SPECULATION_COMPARISONS), found) if r.value is not None]
+    files = report.write_results(out_dir, results, meta, found, {"ratios": [r.row() for r in ratios]})
     if plots:
         files += report.plot(out_dir, results)
     text = report.format_table(rows, report.columns_for(rows))
-    if verdicts:
-        text += "\n\n" + report.verdict_table(verdicts)
-    return text, verdicts, files
+    if ratios:
+        text += "\n\n" + report.ratio_table(ratios)
+    return text, files
 
 
 @dataclass(frozen=True)

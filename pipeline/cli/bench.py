@@ -123,7 +123,8 @@ _URL = re.compile(r"^([a-z]+://)?[\w.-]+:\d+/?$")
 @click.option(
     "--precision",
     type=click.Choice(["fp32", "int8", "int4"]),
-    help="Precision of the target, for the speed-target table. Default with CONFIG: from quantization.mode.",
+    help="Precision of the target, for its measurement keys and the ratio table. Default with CONFIG: from "
+    "quantization.mode.",
 )
 @click.option(
     "--cache-dir",
@@ -179,7 +180,8 @@ def bench(
     --in-process its engine is loaded here) or a running Triton endpoint: host:port or grpc://host:port
     (gRPC streaming), http://host:port (HTTP server-sent events, /v2/models/ensemble/generate_stream).
     Writes results.json, results.csv and plots (throughput and TTFT/ITL percentiles vs concurrency, latency
-    CDF) to --out, and prints the table plus the speed targets the run could check.
+    CDF) to --out, and prints the table plus the ratios the run measured side by side (llmpipe against
+    the --compare peers, prompt lookup against none in a --speculation sweep).
 
     \b
     Examples:
@@ -269,7 +271,7 @@ def bench(
         "hf_model": str(hf_dir),
     }
     out_dir = out_dir or Path("build") / "bench" / time.strftime("%Y%m%d-%H%M%S")
-    text, _verdicts, files = suite.finish(results, out_dir, meta, plots=not no_plots)
+    text, files = suite.finish(results, out_dir, meta, plots=not no_plots)
     click.echo(text)
     click.echo(f"\nwrote {', '.join(str(f) for f in files)}", err=True)
     _raise_if_failed(results)

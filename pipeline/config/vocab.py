@@ -27,8 +27,9 @@ BACKEND_KV_DTYPES: dict[str, tuple[str, ...]] = {
     "torch": ("auto", "int8"),
     "trtllm": ("auto", "int8", "fp8"),
 }
-# quantize.py --qformat -> the checkpoint's quantization.quant_algo (tensorrt_llm/quantization/mode.py
-# QuantAlgo names); int4_gptq, torch only, takes the QuantAlgo TensorRT-LLM gives GPTQ checkpoints.
+# quantize.py --qformat -> the checkpoint's quantization.quant_algo
+# (NVIDIA/TensorRT-LLM:examples/quantization/quantize.py@c8c6df0); int4_gptq, torch only, takes the QuantAlgo
+# TensorRT-LLM gives GPTQ checkpoints (W4A16_GPTQ, tensorrt_llm/quantization/mode.py).
 QUANT_ALGO: dict[str, str | None] = {
     "none": None,
     "int8_wo": "W8A16",

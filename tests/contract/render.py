@@ -2,7 +2,7 @@
 model parameters, the full rendered tensorrt_llm/config.pbtxt (the serving helper's template filled by
 pipeline.serving.repository.render.render_configs), the tensorrt_llm_bls parameters, and for draft-target the
 draft model's config.pbtxt, as the text of the files kept in expected/<name>/ (reviewed by hand against
-REFERENCE.md). Paths are the work-dir layout relative to the current directory."""
+the upstream sources named in expected/README.md). Paths are the work-dir layout relative to the current directory."""
 
 from __future__ import annotations
 

@@ -191,7 +191,8 @@ def test_dockerfile_builds_on_the_pinned_serving_image() -> None:
     assert "--no-deps" in dockerfile  # the image's torch / transformers / tensorrt_llm stay untouched
 
 
-# tensorrtllm_backend's speculative tensors on tensorrt_llm (REFERENCE.md §3.4): name -> (type, dims)
+# tensorrtllm_backend's speculative tensors on tensorrt_llm (all_models/inflight_batcher_llm/tensorrt_llm/
+# config.pbtxt): name -> (type, dims)
 SPECULATIVE_INPUTS = {
     "draft_input_ids": ("TYPE_INT32", [-1]),
     "draft_logits": ("TYPE_FP32", [-1, -1]),  # ${logits_datatype}

@@ -1,5 +1,5 @@
-"""The pain-point guards (REFERENCE.md §6): version and GPU mismatch (P1), SM too old for the format,
-KV capacity (P2), prompt limits (P4), runtime features that need build flags (P10)."""
+"""The deployment guards: version and GPU mismatch, SM too old for the format, KV capacity, prompt limits,
+runtime features that need build flags."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def make_cfg(**sections: Any) -> BuildConfig:
 
 
 def engine_config(**build: Any) -> dict[str, Any]:
-    """An engine config.json in the post-0.8 layout (REFERENCE.md §2.3)."""
+    """An engine config.json in the post-0.8 layout (`version`, `pretrained_config`, `build_config`)."""
     plugin = {"tokens_per_block": 32, "use_paged_context_fmha": True, "paged_kv_cache": True}
     plugin.update(build.pop("plugin_config", {}))
     base = {"max_batch_size": 16, "max_input_len": 1024, "max_seq_len": 2048, "max_beam_width": 1,
@@ -43,7 +43,7 @@ def engine_config(**build: Any) -> dict[str, Any]:
             "build_config": base}  # fmt: skip
 
 
-# ---- P1 -------------------------------------------------------------------------------------------------
+# ---- versions -------------------------------------------------------------------------------------------
 BUILT = {"tensorrt_llm_version": "1.2.0", "tensorrt_version": "10.14.1.48", "gpu_compute_capability": "9.0"}
 
 
@@ -104,7 +104,7 @@ def test_world_size_needs_as_many_gpus() -> None:
         guards.check_world_size(make_cfg(parallel={"tp_size": 2}), [H100])
 
 
-# ---- P2 -----------------------------------------------------------------------------------------------------
+# ---- KV capacity --------------------------------------------------------------------------------------------
 def test_kv_tokens_for_one_sequence_rounds_up_to_blocks_and_beams() -> None:
     cfg = make_cfg(engine={"max_seq_len": 2049, "max_beam_width": 2}, kv_cache={"tokens_per_block": 64})
     assert guards.kv_tokens_for_one_sequence(cfg) == 2 * 64 * 33
@@ -137,7 +137,7 @@ def test_kv_capacity_is_capped_by_max_tokens_and_reported() -> None:
     }  # fmt: skip
 
 
-# ---- P4 -----------------------------------------------------------------------------------------------------
+# ---- prompt limits ------------------------------------------------------------------------------------------
 def test_max_seq_len_beyond_the_models_positions_is_refused() -> None:
     cfg = make_cfg(engine={"max_seq_len": 16384, "max_input_len": 1024})
     with pytest.raises(ConfigError, match="exceeds the model's max_position_embeddings=8192"):
@@ -151,7 +151,7 @@ def test_chunked_context_lifts_the_prompt_limit() -> None:
     assert guards.effective_max_input_len(chunked) == 2047
 
 
-# ---- P10 ----------------------------------------------------------------------------------------------------
+# ---- runtime features vs build flags -------------------------------------------------------------------------
 def test_matching_engine_passes() -> None:
     guards.check_runtime_features(make_cfg(kv_cache={"enable_block_reuse": True}), engine_config())
 

@@ -109,42 +109,9 @@ def test_summarize_of_all_failed_run_has_no_distributions() -> None:
     assert m.to_dict()["decode_tok_s_per_user"] is None
 
 
-def test_targets_checker_marks_met_missed_and_not_measured() -> None:
-    from pipeline.bench.targets import ISSUE7_TARGETS, check
-
-    measured = {
-        "llmpipe.fp32.single_decode_tok_s": 40.0,
-        "llamacpp.f32.single_decode_tok_s": 38.0,  # 40/38 = 1.05 >= 0.8: met
-        "hf.fp32.single_decode_tok_s": 25.0,  # 40/25 = 1.6 < 2: missed
-        "llmpipe.fp32.triton.c16_tok_s": 300.0,
-        "llmpipe.int8.triton.c16_tok_s": 350.0,  # the best of ours is used
-        "hf.fp32.c16_tok_s": 100.0,
-        "llamacpp.q8_0.c16_tok_s": 200.0,  # the best peer is used: 350/200 = 1.75
-        "ct2.float32.c16_tok_s": 190.0,
-        "llmpipe.fp32.ttft_p95_c16_prompt256_s": 2.0,
-        "llmpipe.fp32.ttft_mean_c1_prompt256_s": 0.5,  # 4x > 3x: missed (a "<=" target)
-    }
-    verdicts = {v.target.key: v for v in check(ISSUE7_TARGETS, measured)}
-    assert verdicts["fp32_single_vs_llamacpp_f32"].status == "met"
-    assert verdicts["single_vs_hf"].status == "missed"
-    assert verdicts["single_vs_hf"].measured_ratio == pytest.approx(1.6)
-    best_peer = verdicts["served_c16_vs_best_peer"]
-    assert (best_peer.status, best_peer.numerator_key, best_peer.denominator_key) == (
-        "met",
-        "llmpipe.int8.triton.c16_tok_s",
-        "llamacpp.q8_0.c16_tok_s",
-    )
-    assert verdicts["served_c16_vs_hf_static"].measured_ratio == pytest.approx(3.5)
-    assert verdicts["ttft_p95_c16_vs_single"].status == "missed"
-    not_measured = verdicts["int4_single_vs_llamacpp_q4_1"]
-    assert not_measured.status == "not measured" and not_measured.measured_ratio is None
-    assert "llmpipe.int4.single_decode_tok_s" in not_measured.missing
-    assert verdicts["served_vs_inprocess_c16"].status == "not measured"
-
-
 def test_measurement_keys_from_runs() -> None:
+    from pipeline.bench.comparisons import measurements
     from pipeline.bench.load import RunResult
-    from pipeline.bench.targets import measurements
 
     def run(concurrency: int, extra: dict[str, object], gap: float) -> RunResult:
         recs = [_record(0.0, [0.1 + gap * i for i in range(5)], index=j) for j in range(concurrency)]

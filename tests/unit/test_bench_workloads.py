@@ -100,7 +100,7 @@ def test_finish_writes_json_csv_plots_and_a_markdown_page(tmp_path: Path) -> Non
     from pipeline.bench import report, suite
 
     results = [_fake_run("a", 1, 0.02), _fake_run("a", 4, 0.03), _fake_run("b", 4, 0.05)]
-    text, _verdicts, files = suite.finish(results, tmp_path, {"note": "test"})
+    text, files = suite.finish(results, tmp_path, {"note": "test"})
     names = {f.name for f in files}
     assert {"results.json", "results.csv", "throughput_vs_concurrency.png", "latency_cdf.png"} <= names
     assert all(f.stat().st_size > 0 for f in files)

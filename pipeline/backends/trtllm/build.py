@@ -1,6 +1,6 @@
 """build (trtllm): run `trtllm-build` on the (quantized) checkpoint, log kept beside the engine.
 
-The engine manifest records what P1 needs later: the TensorRT-LLM and TensorRT versions that built it and
+The engine manifest records what the serve-time version check needs: the TensorRT-LLM and TensorRT versions that built it and
 the GPU compute capability it was built for. The guards run first, so a wrong setting fails in a second
 instead of after a long TensorRT build.
 """
@@ -97,7 +97,7 @@ def build(cfg: BuildConfig, ckpt_dir: Path, out_dir: Path) -> dict[str, Any]:
         shutil.copy2(log_path, kept)
         raise EngineBuildError(
             f"trtllm-build exited with {code}; its log is {kept}",
-            hint="Out of memory (REFERENCE.md P5)? Lower engine.max_batch_size / max_num_tokens.",
+            hint="Out of memory? Lower engine.max_batch_size / max_num_tokens.",
         )
     missing = [n for n in ["config.json", *(f"rank{r}.engine" for r in range(cfg.parallel.world_size))]
                if not (out_dir / n).is_file()]  # fmt: skip

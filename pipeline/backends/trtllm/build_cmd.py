@@ -14,7 +14,8 @@ from pipeline.backends.trtllm.versions import FLAG_CHOICES, PINNED, Release, rel
 from pipeline.config.build_config import BuildConfig
 from pipeline.errors import ConfigError
 
-# speculative.mode -> trtllm-build --speculative_decoding_mode (REFERENCE.md §1.4).
+# speculative.mode -> trtllm-build --speculative_decoding_mode
+# (NVIDIA/TensorRT-LLM:tensorrt_llm/commands/build.py@65f1d15).
 SPECULATIVE_DECODING_MODE: dict[str, str] = {
     "draft_model": "draft_tokens_external",
     "lookahead": "lookahead_decoding",

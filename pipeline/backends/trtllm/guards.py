@@ -1,11 +1,11 @@
-"""Refuse, before anything slow starts, the configurations REFERENCE.md §6 lists as the top pain points.
+"""Refuse, before anything slow starts, the configurations that most often break a TensorRT-LLM deployment:
 
-P1  engine built by another TensorRT-LLM/TensorRT than the runtime's, or for another GPU architecture
-P2  KV cache too small for one sequence of max_seq_len
-P4  prompt limits baked in at build that the model or the runtime cannot honour
-P10 runtime features (block reuse, chunked context, beam, speculative decoding, batch, world size) that
-    need matching build flags: checked across the build config and the engine's recorded build_config
-Plus: quantization formats on GPUs too old for them (fp8 -> SM89+, nvfp4 -> SM100+).
+- an engine built by another TensorRT-LLM/TensorRT than the runtime's, or for another GPU architecture
+- a KV cache too small for one sequence of max_seq_len
+- prompt limits baked in at build that the model or the runtime cannot honour
+- runtime features (block reuse, chunked context, beam, speculative decoding, batch, world size) that
+  need matching build flags: checked across the build config and the engine's recorded build_config
+- quantization formats on GPUs too old for them (fp8 -> SM89+, nvfp4 -> SM100+).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ _REBUILD_HINT = (
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "int8": 1}
 
 
-# ---- P1: the engine and the runtime must come from one build, for one GPU architecture -------------
+# ---- the engine and the runtime must come from one build, for one GPU architecture -----------------
 def check_runtime_matches(
     engine_facts: dict[str, Any], runtime_trtllm: str | None, runtime_trt: str | None
 ) -> None:
@@ -97,7 +97,7 @@ def check_world_size(cfg: BuildConfig, gpus: list[Gpu]) -> None:
         )
 
 
-# ---- P2: KV capacity --------------------------------------------------------------------------------
+# ---- KV capacity ------------------------------------------------------------------------------------
 def kv_tokens_for_one_sequence(cfg: BuildConfig) -> int:
     """Tokens the paged cache must hold for one sequence: beam * tokens_per_block * blocks per sequence."""
     return cfg.engine.max_beam_width * cfg.kv_cache.tokens_per_block * cfg.kv_blocks_per_sequence
@@ -142,7 +142,7 @@ def check_kv_capacity(cfg: BuildConfig, capacity_tokens: int | None = None) -> d
     return numbers
 
 
-# ---- P4: prompt limits --------------------------------------------------------------------------------
+# ---- prompt limits ------------------------------------------------------------------------------------
 def check_prompt_limits(cfg: BuildConfig, ckpt_config: dict[str, Any]) -> None:
     """max_seq_len must fit the model's positions (unless it scales RoPE); the config checks the rest."""
     positions = ckpt_config.get("max_position_embeddings")
@@ -160,7 +160,7 @@ def effective_max_input_len(cfg: BuildConfig) -> int:
     return cfg.engine.max_seq_len - 1 if cfg.scheduler.enable_chunked_context else cfg.engine.max_input_len
 
 
-# ---- P10: runtime features vs the engine's build_config -------------------------------------------------
+# ---- runtime features vs the engine's build_config ------------------------------------------------------
 def check_build_features(cfg: BuildConfig) -> None:
     """Runtime features the build config asks for that need build flags, before building."""
     if cfg.speculative.mode == "draft_model" and not cfg.kv_cache.use_paged_context_fmha:
@@ -236,7 +236,8 @@ def check_runtime_features(cfg: BuildConfig, engine_config: dict[str, Any]) -> N
 
 
 def preflight_serve(cfg: BuildConfig, engine_dir: Path) -> None:
-    """Everything that must hold before tritonserver loads `engine_dir`: P1 (versions, GPU), P10, P2."""
+    """Everything that must hold before tritonserver loads `engine_dir`: versions and GPU, runtime features
+    against the engine's build flags, KV capacity."""
     facts = require_manifest(engine_dir, "engine").facts
     check_runtime_matches(facts, env.tensorrt_llm_version().value, env.tensorrt_version().value)
     found = env.gpus().value or []
@@ -245,7 +246,7 @@ def preflight_serve(cfg: BuildConfig, engine_dir: Path) -> None:
     try:
         engine_config = json.loads(config_path.read_text())
     except (OSError, json.JSONDecodeError) as err:
-        # The backend would die with json parse_error.101 at instance creation (REFERENCE.md §6 P3).
+        # The backend would die with json parse_error.101 at instance creation.
         raise ServingError(f"{config_path} is missing or not JSON ({err})", hint=_REBUILD_HINT) from None
     check_runtime_features(cfg, engine_config)
     check_kv_capacity(cfg)

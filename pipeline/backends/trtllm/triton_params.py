@@ -1,12 +1,13 @@
 """The `parameters { ... }` block of Triton's `tensorrt_llm` model (backend "tensorrtllm"), from a BuildConfig.
 
-Every key is a parameter the C++ tensorrtllm backend reads (REFERENCE.md §3.5, checked against
-tensorrtllm_backend `inflight_batcher_llm/src/model_instance_state.cc@v0.18.0`). Values are the strings that
-go into `string_value`; the serving helper renders them into the shared config.pbtxt template.
+Every key is a parameter the C++ tensorrtllm backend reads (the template
+`all_models/inflight_batcher_llm/tensorrt_llm/config.pbtxt` of triton-inference-server/tensorrtllm_backend
+@v0.18.0, checked against its `inflight_batcher_llm/src/model_instance_state.cc`). Values are the strings
+that go into `string_value`; the serving helper renders them into the shared config.pbtxt template.
 
 Only parameters the config decides are emitted: a key left out makes the backend use its own default
 (it logs "... is not specified, will use default"), which is the behaviour we want for anything llmpipe
-does not configure. Placeholders are never returned, so nothing `${...}` can leak into a rendered file (P3).
+does not configure. Placeholders are never returned, so nothing `${...}` can leak into a rendered file.
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ def tensorrt_llm_parameters(cfg: BuildConfig, engine_dir: Path | str) -> dict[st
 
 
 def tensorrt_llm_header(cfg: BuildConfig) -> dict[str, str]:
-    """Values for the non-parameter placeholders of the tensorrt_llm template (REFERENCE.md §3.4/§3.6)."""
+    """Values for the non-parameter placeholders of the tensorrt_llm template: its header (batch size,
+    decoupled mode, queueing, data types), which tensorrtllm_backend fills with `tools/fill_template.py`."""
     serving = cfg.serving
     return {
         "triton_backend": "tensorrtllm",

@@ -6,10 +6,12 @@ version strings.
 How the flag lists were verified: each release's `trtllm-build` flag set is transcribed from that release's
 rendered CLI reference, `NVIDIA/TensorRT-LLM` gh-pages `<version>/commands/trtllm-build.html` (Sphinx
 argparse output generated from `tensorrt_llm/commands/build.py` + `PluginConfig`), read for 1.0.0
-(@090dc64), 1.1.0 (@8660c11) and 1.2.0 (@7e873e5). The engine path is gone after 1.2 (REFERENCE.md §0).
-Container tags and TensorRT versions: REFERENCE.md §2.4 (release-note pairing) and tensorrtllm_backend's
-`dockerfile/Dockerfile.triton.trt_llm_backend` at the matching submodule bumps; the version actually inside a
-container is read at run time (`llmpipe doctor`, guards.check_runtime_matches), never assumed.
+(@090dc64), 1.1.0 (@8660c11) and 1.2.0 (@7e873e5). The engine path is gone after 1.2
+(NVIDIA/TensorRT-LLM:docs/source/legacy/tensorrt-backend-removal.md@335107a). Container tags and TensorRT
+versions: the release notes' base-container pairing (NVIDIA/TensorRT-LLM:docs/source/release-notes.md@001eaec)
+and tensorrtllm_backend's `dockerfile/Dockerfile.triton.trt_llm_backend` at the matching submodule bumps;
+the version actually inside a container is read at run time (`llmpipe doctor`,
+guards.check_runtime_matches), never assumed.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ class Release:
     """One TensorRT-LLM release whose engine path llmpipe generates commands for."""
 
     version: str
-    triton_container: str  # NGC image that serves (and, per P1, builds) this release's engines
+    triton_container: str  # NGC image that serves this release's engines, and builds them so versions match
     # TensorRT major.minor the release was built against (tensorrtllm_backend's Dockerfile at the matching
     # submodule bump). Informational: guards compare the versions recorded in the engine, not this.
     tensorrt: str
@@ -119,8 +121,9 @@ def release_for_runtime(installed: str) -> Release:
 
 
 # Smallest GPU compute capability (major*10+minor) each quantization mode / KV dtype needs on this path.
-# fp8 needs Ada (SM89) or newer, nvfp4 needs Blackwell (SM100) (REFERENCE.md §2.2, precision.md); the rest
-# run on Ampere (SM80), the oldest architecture the 1.x releases list as supported.
+# fp8 needs Ada (SM89) or newer, nvfp4 needs Blackwell (SM100)
+# (NVIDIA/TensorRT-LLM:docs/source/legacy/reference/precision.md@b2ae043); the rest run on Ampere (SM80),
+# the oldest architecture the 1.x releases list as supported.
 MIN_SM_FOR_QUANT: dict[str, int] = {
     "none": 80,
     "int8_wo": 80,

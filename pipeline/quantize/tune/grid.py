@@ -14,7 +14,7 @@ text do not overfit them the way they would the weights. Sampled sequences (LLM-
 random first token, then the float model's own samples) widen the text the grids see beyond the
 calibration set, but they are not the English a deployment reads; the tuning text is. On SmolLM2-135M
 (int4_gptq, group 128) validate's perplexity delta vs float32 went from +13.4 % untuned to +10.1 % (120 steps end
-to end), +8.5 % (80 block steps first) and +4.3 % (both on the tuning prose too; benchmarks/NOTES.md, sessions 6-8).
+to end), +8.5 % (80 block steps first) and +4.3 % (both on the tuning prose too; benchmarks/NOTES.md on the int4 tuning).
 With the prose, the sampled sequences no longer helped (+4.5 % without them), so the shipped build skips them.
 
 A share of the sequences is held out: the tuned grids are kept only when they lower the held-out KL (both phases

@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 AttentionChoice = Literal["auto", "kernel", "torch"]
 # One-row steps of models whose decoder layers store at most this many weight bytes run single-threaded on
 # CPU (ModelRunner._threads_for): between SmolLM2's int8 layers (3.5 MB, faster on one thread) and its bf16
-# ones (6.75 MB: 61 vs 47 tok/s on two threads, benchmarks/NOTES.md session 5) and fp32 ones (14 MB).
+# ones (6.75 MB: 61 vs 47 tok/s on two threads, benchmarks/NOTES.md on bf16 engines) and fp32 ones (14 MB).
 SINGLE_THREAD_MAX_LAYER_BYTES = 5 << 20
 _MODEL_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -1,6 +1,6 @@
 """Render pipeline/serving/templates into a Triton model repository for one build config and engine (the
 `package` stage's work). Strict: every `${placeholder}` comes from the build config, an unfilled one is an
-error (never a silent `${x}`: P3), and every config.pbtxt is parsed with Triton's own protobuf schema and
+error (never a silent `${x}`), and every config.pbtxt is parsed with Triton's own protobuf schema and
 its ensemble wiring checked before anything is written.
 
 Layout (relocatable: paths inside are relative to each model's version folder):

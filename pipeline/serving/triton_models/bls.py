@@ -1,6 +1,6 @@
 """The `tensorrt_llm_bls` model: the ensemble's inputs and outputs, in one Python model that tokenizes,
 calls `tensorrt_llm` through BLS, and detokenizes incrementally, so streamed text is exact for every
-tokenizer (multi-byte characters, SentencePiece spaces: P8) and concatenated deltas equal the whole text.
+tokenizer (multi-byte characters, SentencePiece spaces) and concatenated deltas equal the whole text.
 
 Each request is served by its own thread (`execute` returns at once), so requests stream concurrently
 even with one BLS instance. A client that cancels gets its engine request stopped with `stop=true`.

@@ -1,6 +1,6 @@
 """Incremental detokenization: token ids arrive a few at a time, text leaves only once it is final.
 
-Decoding tokens one by one garbles text (P8): a multi-byte character split over several byte-level tokens
+Decoding tokens one by one garbles text: a multi-byte character split over several byte-level tokens
 decodes to U+FFFD pieces, and SentencePiece tokenizers drop the space of a word that starts a decode call.
 So each step decodes a short window that begins a few tokens back (giving spaces their context) and emits
 only what the window adds beyond the text already emitted; text ending in U+FFFD (an incomplete

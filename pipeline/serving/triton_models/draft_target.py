@@ -1,5 +1,6 @@
 """TensorRT-LLM's draft-target speculative decoding as the BLS drives it (backend trtllm,
-speculative.mode=draft_model; REFERENCE.md §3.5): each round the draft model generates up to
+speculative.mode=draft_model; triton-inference-server/tensorrtllm_backend:
+all_models/inflight_batcher_llm/tensorrt_llm_bls@v0.18.0): each round the draft model generates up to
 `num_draft_tokens` tokens after the sequence so far, then the target gets the same sequence with those
 tokens as `draft_input_ids` and `request_output_len` = drafts + 1, and returns the drafts it accepted plus
 one token of its own. Rounds repeat until the request has its tokens, the target stops (end id, stop word:

@@ -1,6 +1,7 @@
 """The `tensorrt_llm` model's tensors <-> (prompt ids, SamplingParams) and back. Pure: numpy in, numpy out.
 
-Tensor names, types and meanings are tensorrtllm_backend's (REFERENCE.md §3.4), so a client written for
+Tensor names, types and meanings are tensorrtllm_backend's (triton-inference-server/tensorrtllm_backend:
+all_models/inflight_batcher_llm/tensorrt_llm/config.pbtxt@v0.18.0), so a client written for
 TensorRT-LLM works unchanged against the torch engine. Every input arrives with Triton's batch dimension
 first; one request carries one sequence.
 """

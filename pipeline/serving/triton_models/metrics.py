@@ -1,7 +1,8 @@
 """Engine metrics on Triton's :8002/metrics endpoint, through the Python backend's custom-metrics API.
 
-Gauges use tensorrtllm_backend's family and label names (REFERENCE.md §3.8), so dashboards built for
-TensorRT-LLM read the torch engine unchanged; latency histograms and counters are llmpipe's own.
+Gauges use tensorrtllm_backend's family and label names (`nv_trt_llm_*`,
+triton-inference-server/tensorrtllm_backend:README.md@v0.18.0), so dashboards built for TensorRT-LLM read
+the torch engine unchanged; latency histograms and counters are llmpipe's own.
 
 NOTE: every method must be called from ONE thread. Metric updates from several threads of a stub at
 once crash tritonserver 2.51 (SIGSEGV, seen here); the engine model funnels them through its responder.

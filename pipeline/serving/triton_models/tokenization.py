@@ -2,7 +2,7 @@
 
 The tokenizer is the engine's own copy (`<engine>/tokenizer/`), loaded offline with Hugging Face's
 AutoTokenizer; end ids come from its generation_config.json when present, because that is where chat
-models declare the turn-end token they actually stop on (P9: Llama-3's `<|eot_id|>`).
+models declare the turn-end token they actually stop on (Llama-3's `<|eot_id|>`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Stand-in `tensorrt_llm.quantization.QuantAlgo`: the 1.x member names (REFERENCE.md §2.2)."""
+"""Stand-in `tensorrt_llm.quantization.QuantAlgo`: the 1.x member names (tensorrt_llm/quantization/mode.py)."""
 
 from __future__ import annotations
 

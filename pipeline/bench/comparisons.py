@@ -1,21 +1,20 @@
-"""The speed targets of issues 3, 7 and 9 as data, and a checker that marks each one met, missed or not measured.
+"""Side-by-side ratios of one run's measurements: llmpipe against the peers it ran beside, and speculative
+decoding on against off.
 
-A target compares two measurements from the same run as a ratio (the machines are noisy; ratios within
-one run are what carry over). Measurements are a flat `{key: value}` map; keys read
-`<system>.<precision>[.<path>].<metric>`, e.g. `llamacpp.q8_0.single_decode_tok_s`. When a target names
-several keys on one side, the best (largest) measured one is used: "any of our precisions against the
-best peer".
+A ratio of two measurements from the same run carries over between machines better than either number
+(the machines are noisy). Measurements are a flat `{key: value}` map; keys read
+`<system>.<precision>[.<path>].<metric>`, e.g. `llamacpp.q8_0.single_decode_tok_s`. When a comparison
+names several keys on one side, the best (largest) measured one is used: "any of our precisions against
+the best peer".
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 from pipeline.bench.load import RunResult
 
-Status = Literal["met", "missed", "not measured"]
 OURS = ("fp32", "bf16", "int8", "int4")
 # each peer's batched run with 16 requests in flight (HF: a padded static batch of 16)
 PEER_BATCHED = (
@@ -30,21 +29,17 @@ PEER_BATCHED = (
 
 
 @dataclass(frozen=True)
-class SpeedTarget:
+class Comparison:
     key: str
-    issue: int
     description: str
     numerator: tuple[str, ...]  # measurement keys; the largest measured one is used
     denominator: tuple[str, ...]
-    op: Literal[">=", "<="]
-    ratio: float
 
 
 @dataclass(frozen=True)
-class Verdict:
-    target: SpeedTarget
-    status: Status
-    measured_ratio: float | None
+class Ratio:
+    comparison: Comparison
+    value: float | None  # None when either side was not measured
     numerator_key: str | None
     numerator: float | None
     denominator_key: str | None
@@ -52,123 +47,54 @@ class Verdict:
     missing: tuple[str, ...]  # keys that were not measured
 
     def row(self) -> dict[str, object]:
-        t = self.target
+        c = self.comparison
         return {
-            "target": t.key,
-            "issue": t.issue,
-            "description": t.description,
-            "goal": f"{t.op} {t.ratio:g}x",
-            "measured": None if self.measured_ratio is None else round(self.measured_ratio, 3),
+            "comparison": c.key,
+            "description": c.description,
+            "ratio": None if self.value is None else round(self.value, 3),
             "numerator": self.numerator_key,
             "numerator_value": self.numerator,
             "denominator": self.denominator_key,
             "denominator_value": self.denominator,
-            "status": self.status,
         }
 
 
-ISSUE3_TARGETS: tuple[SpeedTarget, ...] = (
-    SpeedTarget(
-        "engine_vs_hf_static_batch",
-        3,
-        "engine output tok/s >= 3x HF padded static batch",
-        ("engine.fp32.output_tok_s",),
-        ("hf.fp32.static_batch.output_tok_s",),
-        ">=",
-        3.0,
-    ),
-    SpeedTarget(
-        "engine_vs_hf_one_at_a_time",
-        3,
-        "engine output tok/s >= 8x HF one request at a time",
-        ("engine.fp32.output_tok_s",),
-        ("hf.fp32.single.output_tok_s",),
-        ">=",
-        8.0,
-    ),
-    SpeedTarget(
-        "engine_single_decode_vs_hf",
-        3,
-        "single-request decode >= 0.9x HF's",
-        ("engine.fp32.single_decode_tok_s",),
-        ("hf.fp32.single_decode_tok_s",),
-        ">=",
-        0.9,
-    ),
-)
-
-ISSUE7_TARGETS: tuple[SpeedTarget, ...] = (
-    SpeedTarget(
+PEER_COMPARISONS: tuple[Comparison, ...] = (
+    Comparison(
         "fp32_single_vs_llamacpp_f32",
-        7,
-        "single-request decode fp32 >= 0.8x llama.cpp f32",
+        "single-request decode, fp32 vs llama.cpp f32",
         ("llmpipe.fp32.single_decode_tok_s",),
         ("llamacpp.f32.single_decode_tok_s",),
-        ">=",
-        0.8,
     ),
-    SpeedTarget(
+    Comparison(
         "int8_single_vs_llamacpp_q8_0",
-        7,
-        "single-request decode int8 >= 0.8x llama.cpp Q8_0",
+        "single-request decode, int8 vs llama.cpp Q8_0",
         ("llmpipe.int8.single_decode_tok_s",),
         ("llamacpp.q8_0.single_decode_tok_s",),
-        ">=",
-        0.8,
     ),
-    SpeedTarget(
+    Comparison(
         "int4_single_vs_llamacpp_q4_1",
-        7,
-        "single-request decode int4 >= 0.8x llama.cpp Q4_1",
+        "single-request decode, int4 vs llama.cpp Q4_1",
         ("llmpipe.int4.single_decode_tok_s",),
         ("llamacpp.q4_1.single_decode_tok_s",),
-        ">=",
-        0.8,
     ),
-    SpeedTarget(
+    Comparison(
         "single_vs_hf",
-        7,
-        "single-request decode (fp32) >= 2x HF transformers fp32",
+        "single-request decode, fp32 vs HF transformers fp32",
         ("llmpipe.fp32.single_decode_tok_s",),
         ("hf.fp32.single_decode_tok_s",),
-        ">=",
-        2.0,
     ),
-    SpeedTarget(
+    Comparison(
         "served_c16_vs_hf_static",
-        7,
-        "16 concurrent through Triton >= 3x HF static batching",
+        "16 concurrent through Triton vs HF static batching",
         tuple(f"llmpipe.{p}.triton.c16_tok_s" for p in OURS),
         ("hf.fp32.c16_tok_s",),
-        ">=",
-        3.0,
     ),
-    SpeedTarget(
+    Comparison(
         "served_c16_vs_best_peer",
-        7,
-        "16 concurrent through Triton >= 1.3x the best batched peer",
+        "16 concurrent through Triton vs the best batched peer",
         tuple(f"llmpipe.{p}.triton.c16_tok_s" for p in OURS),
         PEER_BATCHED,
-        ">=",
-        1.3,
-    ),
-    SpeedTarget(
-        "served_vs_inprocess_c16",
-        7,
-        "served throughput >= 90% of in-process at concurrency 16 (fp32)",
-        ("llmpipe.fp32.triton.c16_tok_s",),
-        ("llmpipe.fp32.inprocess.c16_tok_s",),
-        ">=",
-        0.9,
-    ),
-    SpeedTarget(
-        "ttft_p95_c16_vs_single",
-        7,
-        "TTFT p95 at concurrency 16 (steady state) <= 3x single-request TTFT, 256-token prompts",
-        ("llmpipe.fp32.ttft_p95_c16_prompt256_s",),
-        ("llmpipe.fp32.ttft_mean_c1_prompt256_s",),
-        "<=",
-        3.0,
     ),
 )
 
@@ -180,22 +106,16 @@ def _spec_pair(workload: str, mode: str) -> tuple[tuple[str, ...], tuple[str, ..
     return on, off
 
 
-ISSUE9_TARGETS: tuple[SpeedTarget, ...] = (
-    SpeedTarget(
+SPECULATION_COMPARISONS: tuple[Comparison, ...] = (
+    Comparison(
         "prompt_lookup_on_input_copying",
-        9,
-        "single-request decode with prompt lookup >= 1.5x without, code-edit workload",
+        "single-request decode with prompt lookup vs without, code-edit workload",
         *_spec_pair("code-edit", "ngram"),
-        ">=",
-        1.5,
     ),
-    SpeedTarget(
+    Comparison(
         "prompt_lookup_when_drafts_are_rejected",
-        9,
-        "single-request decode with prompt lookup >= 0.95x without, builtin chat prompts",
+        "single-request decode with prompt lookup vs without, builtin chat prompts",
         *_spec_pair("builtin", "ngram"),
-        ">=",
-        0.95,
     ),
 )
 
@@ -208,19 +128,15 @@ def _best(keys: Sequence[str], measurements: Mapping[str, float]) -> tuple[str |
     return key, value
 
 
-def check(targets: Sequence[SpeedTarget], measurements: Mapping[str, float]) -> list[Verdict]:
-    verdicts = []
-    for t in targets:
-        num_key, num = _best(t.numerator, measurements)
-        den_key, den = _best(t.denominator, measurements)
-        missing = tuple(k for k in (*t.numerator, *t.denominator) if measurements.get(k) is None)
-        if num is None or den is None or den == 0:
-            verdicts.append(Verdict(t, "not measured", None, num_key, num, den_key, den, missing))
-            continue
-        ratio = num / den
-        met = ratio >= t.ratio if t.op == ">=" else ratio <= t.ratio
-        verdicts.append(Verdict(t, "met" if met else "missed", ratio, num_key, num, den_key, den, missing))
-    return verdicts
+def compare(comparisons: Sequence[Comparison], measurements: Mapping[str, float]) -> list[Ratio]:
+    ratios = []
+    for c in comparisons:
+        num_key, num = _best(c.numerator, measurements)
+        den_key, den = _best(c.denominator, measurements)
+        missing = tuple(k for k in (*c.numerator, *c.denominator) if measurements.get(k) is None)
+        value = None if num is None or den is None or den == 0 else num / den
+        ratios.append(Ratio(c, value, num_key, num, den_key, den, missing))
+    return ratios
 
 
 def measurements(results: Sequence[RunResult]) -> dict[str, float]:
