@@ -19,11 +19,11 @@ from typing import Any
 
 from pipeline import __version__
 from pipeline.errors import IntegrityError, MissingArtifactError
+from pipeline.util.files import link_or_copy, sha256_file
 
 MANIFEST_NAME = "manifest.json"
 _TMP_MARK = ".tmp-"
 _OLD_MARK = ".old-"
-_CHUNK = 1 << 20
 
 
 @dataclass
@@ -66,14 +66,6 @@ class Manifest:
         data = json.loads(text)
         data["files"] = [FileEntry(**f) for f in data.get("files", [])]
         return cls(**data)
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while chunk := handle.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def list_files(root: Path) -> list[FileEntry]:
@@ -188,15 +180,6 @@ def _fsync_tree(root: Path) -> None:
         if path.is_file():
             with path.open("rb") as handle:
                 os.fsync(handle.fileno())
-
-
-def link_or_copy(src: Path, dst: Path) -> None:
-    """Hardlink when on the same filesystem (free), else copy."""
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
 
 
 def link_tree(src: Path, dst: Path) -> None:

@@ -53,7 +53,8 @@ def smollm2_gguf() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_hf_dir(smollm2_gguf: Path) -> Path:
     """fp32 HF checkpoint of SmolLM2-135M-Instruct; its conversion facts are in `conversion.json`."""
-    from pipeline.sources.gguf import gguf_to_hf_checkpoint, sha256_file
+    from pipeline.sources.gguf import gguf_to_hf_checkpoint
+    from pipeline.util.files import sha256_file
 
     digest = sha256_file(smollm2_gguf)
     out = TEST_MODELS_CACHE / f"smollm2-135m-instruct-{digest[:16]}-float32"

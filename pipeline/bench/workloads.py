@@ -11,7 +11,6 @@ Three sources, all deterministic for a given seed:
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any
 
 from pipeline.bench.requests import BenchRequest
 from pipeline.errors import ConfigError, MissingArtifactError
+from pipeline.util.files import read_jsonl
 from pipeline.util.package_data import DATA_DIR
 
 SHIPPED_PROMPTS = DATA_DIR / "bench_prompts.jsonl"
@@ -81,7 +81,7 @@ def synthetic(
 
 
 def _corpus_ids(tokenizer: Tokenizer) -> list[int]:
-    text = "\n\n".join(str(row["prompt"]) for row in _read_jsonl(SHIPPED_PROMPTS))
+    text = "\n\n".join(str(row["prompt"]) for _, row in read_jsonl(SHIPPED_PROMPTS))
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -99,8 +99,7 @@ def load_jsonl(path: str | Path, default_output_tokens: int | None = None) -> li
     if not path.is_file():
         raise MissingArtifactError(f"dataset not found: {path}", hint="pass a JSONL file to --dataset")
     requests = []
-    for index, row in enumerate(_read_jsonl(path)):
-        where = f"{path}:{index + 1}"
+    for index, (where, row) in enumerate(read_jsonl(path)):
         output_tokens = row.get("output_tokens", default_output_tokens)
         if not isinstance(output_tokens, int) or output_tokens < 1:
             raise ConfigError(
@@ -133,21 +132,6 @@ def shipped_prompts(output_tokens: int | None = None) -> list[BenchRequest]:
     if output_tokens is not None:
         requests = [replace(r, output_tokens=output_tokens) for r in requests]
     return requests
-
-
-def _read_jsonl(path: Path) -> list[dict[str, object]]:
-    rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"{path}:{number}: not valid JSON ({err.msg})") from None
-        if not isinstance(row, dict):
-            raise ConfigError(f"{path}:{number}: each line must be a JSON object")
-        rows.append(row)
-    return rows
 
 
 def chat_ids(tokenizer: Tokenizer, text: str) -> list[int]:

@@ -10,7 +10,6 @@ tokenizer's chat template), or plain text with one sample per blank-line-separat
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch
 from pipeline.config.build_config import CalibrationSection
 from pipeline.errors import ConfigError, MissingArtifactError, UnsupportedModelError
 from pipeline.quantize.awq_search import InputStats
+from pipeline.util.files import read_jsonl
 from pipeline.util.package_data import DATA_DIR
 
 BUILTIN_CALIBRATION = DATA_DIR / "calib.jsonl"
@@ -54,23 +54,21 @@ def load_records(dataset: str, field: str = CALIBRATION_FIELD) -> list[Record]:
             f"{field}={dataset!r}: {path} is not a file",
             hint="use 'builtin' or a JSONL file of records, or plain text with blank lines between samples",
         )
-    text = path.read_text(encoding="utf-8")
-    records: list[Record] = []
+    records: list[Record]
     if path.suffix == ".jsonl":
-        for number, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                records.append(_parse_record(json.loads(line), f"{path}:{number}"))
+        records = [_parse_record(record, where) for where, record in read_jsonl(path)]
     else:
+        text = path.read_text(encoding="utf-8")
         records = [part.strip() for part in text.split("\n\n") if part.strip()]
     if not records:
         raise ConfigError(f"{field}={dataset!r}: {path} holds no samples")
     return records
 
 
-def _parse_record(obj: Any, where: str) -> Record:
-    if isinstance(obj, dict) and isinstance(obj.get("text"), str):
+def _parse_record(obj: dict[str, Any], where: str) -> Record:
+    if isinstance(obj.get("text"), str):
         return str(obj["text"])
-    messages = obj.get("messages") if isinstance(obj, dict) else None
+    messages = obj.get("messages")
     if isinstance(messages, list) and all(
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
         for m in messages

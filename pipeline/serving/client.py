@@ -7,7 +7,9 @@ and work with the `ensemble` and `tensorrt_llm_bls` models alike.
             print(chunk.text, end="", flush=True)
 
 gRPC uses the bidirectional stream API by default, which works for decoupled and non-decoupled
-deployments alike; `infer()` is the unary call (non-decoupled deployments only).
+deployments alike; `infer()` is the unary call (non-decoupled deployments only). Below the text API,
+`responses()` sends any model's inputs (the tensorrt_llm model's token ids too) and yields each response's
+outputs as they arrive.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -81,42 +83,52 @@ class Completion:
         }
 
 
-# input name -> (Triton datatype, numpy dtype)
-_SCALARS: dict[str, tuple[str, Any]] = {
+# input name -> (Triton datatype, numpy dtype): the ensemble's and BLS's inputs (GenerationOptions, and
+# return_perf_metrics), min_length (older tensorrtllm_backend releases' min_tokens), and the tensorrt_llm
+# model's own token-level inputs.
+_DATATYPES: dict[str, tuple[str, Any]] = {
+    "text_input": ("BYTES", np.object_), "stop_words": ("BYTES", np.object_), "bad_words": ("BYTES", np.object_),
     "max_tokens": ("INT32", np.int32), "stream": ("BOOL", np.bool_), "temperature": ("FP32", np.float32),
     "top_k": ("INT32", np.int32), "top_p": ("FP32", np.float32), "seed": ("UINT64", np.uint64),
     "repetition_penalty": ("FP32", np.float32), "presence_penalty": ("FP32", np.float32),
     "frequency_penalty": ("FP32", np.float32), "min_tokens": ("INT32", np.int32), "end_id": ("INT32", np.int32),
     "pad_id": ("INT32", np.int32), "return_log_probs": ("BOOL", np.bool_),
-    "exclude_input_in_output": ("BOOL", np.bool_),
+    "exclude_input_in_output": ("BOOL", np.bool_), "return_perf_metrics": ("BOOL", np.bool_),
+    "min_length": ("INT32", np.int32), "runtime_top_k": ("INT32", np.int32),
+    "input_ids": ("INT32", np.int32), "input_lengths": ("INT32", np.int32),
+    "request_output_len": ("INT32", np.int32), "streaming": ("BOOL", np.bool_),
 }  # fmt: skip
 
-
-def request_tensors(prompt: str, options: GenerationOptions) -> dict[str, tuple[str, np.ndarray]]:
-    """name -> (Triton datatype, array with batch dimension 1) for every input to send."""
-    tensors = {"text_input": ("BYTES", np.array([[prompt.encode("utf-8")]], dtype=np.object_))}
-    for name, (datatype, dtype) in _SCALARS.items():
-        value = getattr(options, name)
-        if value is not None:
-            tensors[name] = (datatype, np.array([[value]], dtype=dtype))
-    for name in ("stop_words", "bad_words"):
-        words = getattr(options, name)
-        if words:
-            tensors[name] = ("BYTES", np.array([[w.encode("utf-8") for w in words]], dtype=np.object_))
-    return tensors
+# What a response holds: output name -> its value (an array over gRPC, JSON over HTTP), None when absent.
+Outputs = Callable[[str], Any]
 
 
 def request_json(prompt: str, options: GenerationOptions) -> dict[str, Any]:
-    """The body of POST /v2/models/<model>/generate[_stream]."""
+    """input name -> value for every input to send: the body of POST /v2/models/<model>/generate[_stream],
+    and what request_tensors types for gRPC."""
     body: dict[str, Any] = {"text_input": prompt}
-    for name in _SCALARS:
-        value = getattr(options, name)
-        if value is not None:
-            body[name] = value
-    for name in ("stop_words", "bad_words"):
-        if getattr(options, name):
-            body[name] = list(getattr(options, name))
+    for option in fields(options):
+        value = getattr(options, option.name)
+        if isinstance(value, tuple):
+            if value:
+                body[option.name] = list(value)
+        elif value is not None:
+            body[option.name] = value
     return body
+
+
+def request_tensors(body: dict[str, Any], batched: bool = True) -> dict[str, tuple[str, np.ndarray]]:
+    """name -> (Triton datatype, array) for each input in `body`: a value, or a list of them, per request,
+    with the leading batch dimension of 1 that a model with max_batch_size > 0 expects."""
+    tensors = {}
+    for name, value in body.items():
+        datatype, dtype = _DATATYPES[name]
+        items = value if isinstance(value, list) else [value]
+        if datatype == "BYTES":
+            items = [item.encode("utf-8") for item in items]
+        array = np.array(items, dtype=dtype)
+        tensors[name] = (datatype, array[np.newaxis, ...] if batched else array)
+    return tensors
 
 
 def _first(value: Any) -> Any:
@@ -131,10 +143,12 @@ def _text(value: Any) -> str:
     return item.decode("utf-8") if isinstance(item, bytes) else str(item)
 
 
-def _chunk(text: Any, cum: Any, log_probs: Any) -> Chunk:
+def _chunk(outputs: Outputs) -> Chunk:
+    cum = outputs("cum_log_probs")
     cum_value = _first(cum) if cum is not None else None
+    log_probs = outputs("output_log_probs")
     return Chunk(
-        _text(text),
+        _text(outputs("text_output")),
         None if cum_value is None else float(cum_value),
         [] if log_probs is None else [float(v) for v in np.asarray(log_probs).reshape(-1)],
     )
@@ -160,8 +174,15 @@ def collect(chunks: Iterator[Chunk], started: float | None = None) -> Completion
 
 
 class GrpcClient:
+    """One request at a time, each over a gRPC stream of its own, or, with `keep_stream`, over one stream
+    kept open until close(), so a client that sends many (a benchmark worker) pays for it once."""
+
     def __init__(
-        self, url: str = "127.0.0.1:8001", model: str = DEFAULT_MODEL, timeout_s: float = 600.0
+        self,
+        url: str = "127.0.0.1:8001",
+        model: str = DEFAULT_MODEL,
+        timeout_s: float = 600.0,
+        keep_stream: bool = False,
     ) -> None:
         import tritonclient.grpc as grpcclient
 
@@ -170,6 +191,8 @@ class GrpcClient:
         self.model = model
         self.timeout_s = timeout_s
         self.url = url
+        self.keep_stream = keep_stream
+        self._results: queue.SimpleQueue[tuple[Any, Any]] | None = None  # the open stream's callbacks
 
     def __enter__(self) -> GrpcClient:
         return self
@@ -180,34 +203,60 @@ class GrpcClient:
     def close(self) -> None:
         self.client.close()
 
-    def _inputs(self, prompt: str, options: GenerationOptions) -> list[Any]:
+    def model_config(self) -> dict[str, Any]:
+        """The model's config as Triton returns it in JSON."""
+        from tritonclient.utils import InferenceServerException
+
+        try:
+            if not self.client.is_model_ready(self.model):
+                raise ServingError(f"model {self.model!r} is not ready on {self.url}")
+            return dict(self.client.get_model_config(self.model, as_json=True)["config"])
+        except InferenceServerException as err:
+            raise self._error(err) from None
+
+    def _inputs(self, body: dict[str, Any], batched: bool) -> list[Any]:
         inputs = []
-        for name, (datatype, array) in request_tensors(prompt, options).items():
+        for name, (datatype, array) in request_tensors(body, batched).items():
             tensor = self._grpc.InferInput(name, list(array.shape), datatype)
             tensor.set_data_from_numpy(array)
             inputs.append(tensor)
         return inputs
 
-    def stream(
+    def _stream(self) -> queue.SimpleQueue[tuple[Any, Any]]:
+        if self._results is None:
+            results: queue.SimpleQueue[tuple[Any, Any]] = queue.SimpleQueue()
+            self.client.start_stream(callback=lambda result=None, error=None: results.put((result, error)))
+            self._results = results
+        return self._results
+
+    def _close_stream(self, cancel_requests: bool) -> None:
+        self._results = None
+        self.client.stop_stream(cancel_requests=cancel_requests)
+
+    def responses(
         self,
-        prompt: str,
-        options: GenerationOptions,
+        body: dict[str, Any],
         request_id: str | None = None,
+        outputs: Sequence[str] | None = None,
+        batched: bool = True,
         cancel_after: int | None = None,
-    ) -> Iterator[Chunk]:
-        """Responses as they arrive, over the gRPC stream API. `cancel_after=N` cancels the request after
-        N responses (closing the stream with cancel_requests, as a client that goes away does)."""
+    ) -> Iterator[Outputs]:
+        """The outputs of each response as it arrives. `body` is request_json's mapping (any model's inputs),
+        `outputs` the names to have sent back (None: all), `batched` whether the model takes a batch
+        dimension. `cancel_after=N` cancels the request after N responses."""
         from tritonclient.utils import InferenceServerException
 
-        results: queue.SimpleQueue[tuple[Any, Any]] = queue.SimpleQueue()
-        self.client.start_stream(callback=lambda result=None, error=None: results.put((result, error)))
-        received, finished = 0, False
+        results = self._stream()
+        request_id = request_id or uuid.uuid4().hex
+        wanted = None if outputs is None else [self._grpc.InferRequestedOutput(n) for n in outputs]
+        received, finished, failed = 0, False, False
         try:
             try:
                 self.client.async_stream_infer(
                     self.model,
-                    self._inputs(prompt, options),
-                    request_id=request_id or uuid.uuid4().hex,
+                    self._inputs(body, batched),
+                    outputs=wanted,
+                    request_id=request_id,
                     enable_empty_final_response=True,
                 )
             except InferenceServerException as err:
@@ -223,16 +272,15 @@ class GrpcClient:
                         f"no response from {self.model} within {self.timeout_s:.0f}s"
                     ) from None
                 if error is not None:
+                    failed = True
                     raise self._error(error)
                 response = result.get_response()
+                if response.id != request_id:  # a late response of an earlier request that failed
+                    continue
                 final = response.parameters.get("triton_final_response")
                 if response.outputs:
                     received += 1
-                    yield _chunk(
-                        result.as_numpy("text_output"),
-                        result.as_numpy("cum_log_probs"),
-                        result.as_numpy("output_log_probs"),
-                    )
+                    yield result.as_numpy
                 if final is None or final.bool_param:
                     finished = True
                     return
@@ -241,13 +289,28 @@ class GrpcClient:
         finally:
             # NOTE: cancel only a request that is still running: cancelling one whose final response already
             # arrived makes Triton 2.51 leak the ensemble, which then never unloads (exit timeout at stop).
-            self.client.stop_stream(cancel_requests=not finished)
+            # A kept stream outlives a failed request: what else of it may still arrive carries its id.
+            if not self.keep_stream or not (finished or failed):
+                self._close_stream(cancel_requests=not finished)
+
+    def stream(
+        self,
+        prompt: str,
+        options: GenerationOptions,
+        request_id: str | None = None,
+        cancel_after: int | None = None,
+    ) -> Iterator[Chunk]:
+        """Responses as they arrive, over the gRPC stream API. `cancel_after=N` cancels the request after
+        N responses (closing the stream with cancel_requests, as a client that goes away does)."""
+        body = request_json(prompt, options)
+        for outputs in self.responses(body, request_id, cancel_after=cancel_after):
+            yield _chunk(outputs)
 
     def _error(self, err: Any) -> ServingError:
         message = err.message() if hasattr(err, "message") and callable(err.message) else str(err)
         if "UNAVAILABLE" in str(err) and "connect" in str(err).lower():
             return ServingError(
-                f"cannot reach {self.url}: {message}",
+                f"cannot reach Triton at {self.url}: {message}",
                 hint="Is the server running? Start it with `llmpipe serve`.",
             )
         return ServingError(f"{self.model}: {message}")
@@ -263,16 +326,11 @@ class GrpcClient:
         started = time.monotonic()
         try:
             result = self.client.infer(
-                self.model, self._inputs(prompt, options), client_timeout=self.timeout_s
+                self.model, self._inputs(request_json(prompt, options), True), client_timeout=self.timeout_s
             )
         except InferenceServerException as err:
             raise self._error(err) from None
-        chunk = _chunk(
-            result.as_numpy("text_output"),
-            result.as_numpy("cum_log_probs"),
-            result.as_numpy("output_log_probs"),
-        )
-        return collect(iter([chunk]), started)
+        return collect(iter([_chunk(result.as_numpy)]), started)
 
 
 class HttpClient:
@@ -285,10 +343,11 @@ class HttpClient:
         self.model = model
         self.timeout_s = timeout_s
 
-    def _post(self, endpoint: str, body: dict[str, Any]) -> Any:
+    def _open(self, endpoint: str, body: dict[str, Any] | None = None) -> Any:
+        """GET the model's `endpoint`, or POST `body` to it as JSON."""
         request = urllib.request.Request(
             f"{self.base}/v2/models/{self.model}/{endpoint}",
-            data=json.dumps(body).encode(),
+            data=None if body is None else json.dumps(body).encode(),
             headers={"Content-Type": "application/json"},
         )
         try:
@@ -300,25 +359,35 @@ class HttpClient:
             raise ServingError(f"{self.model}: HTTP {err.code}: {detail}") from None
         except urllib.error.URLError as err:
             raise ServingError(
-                f"cannot reach {self.base}: {err.reason}",
+                f"cannot reach Triton at {self.base}: {err.reason}",
                 hint="Is the server running? Start it with `llmpipe serve`.",
             ) from None
 
+    def model_config(self) -> dict[str, Any]:
+        """The model's config as Triton returns it in JSON."""
+        with self._open("config") as reply:
+            return dict(json.loads(reply.read()))
+
     @staticmethod
-    def _from_json(data: dict[str, Any]) -> Chunk:
+    def _outputs(data: dict[str, Any]) -> Outputs:
         if "error" in data:
             raise ServingError(str(data["error"]))
-        return _chunk(data.get("text_output"), data.get("cum_log_probs"), data.get("output_log_probs"))
+        return data.get
 
     def generate(self, prompt: str, options: GenerationOptions) -> Completion:
         started = time.monotonic()
-        with self._post("generate", request_json(prompt, options)) as reply:
-            chunk = self._from_json(json.loads(reply.read()))
-        return collect(iter([chunk]), started)
+        with self._open("generate", request_json(prompt, options)) as reply:
+            outputs = self._outputs(json.loads(reply.read()))
+        return collect(iter([_chunk(outputs)]), started)
 
-    def stream(self, prompt: str, options: GenerationOptions) -> Iterator[Chunk]:
-        with self._post("generate_stream", request_json(prompt, options)) as reply:
+    def responses(self, body: dict[str, Any]) -> Iterator[Outputs]:
+        """The outputs of each server-sent event of generate_stream as it arrives; `body` is request_json's."""
+        with self._open("generate_stream", body) as reply:
             for raw in reply:
                 line = raw.decode("utf-8").strip()
                 if line.startswith("data:"):
-                    yield self._from_json(json.loads(line[5:]))
+                    yield self._outputs(json.loads(line[5:]))
+
+    def stream(self, prompt: str, options: GenerationOptions) -> Iterator[Chunk]:
+        for outputs in self.responses(request_json(prompt, options)):
+            yield _chunk(outputs)

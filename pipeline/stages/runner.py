@@ -13,12 +13,12 @@ from pipeline.artifacts import (
     is_fresh,
     list_files,
     require_manifest,
-    sha256_file,
     tool_versions,
     write_atomically,
 )
 from pipeline.config.build_config import BuildConfig
 from pipeline.config.workdir import STAGE_DIRNAMES, stage_output_dir
+from pipeline.util.files import sha256_file
 
 
 @dataclass(frozen=True)

@@ -11,12 +11,12 @@ Any other value is a JSONL file, one object per line tagged by "task":
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pipeline.errors import ConfigError, MissingArtifactError
+from pipeline.util.files import read_jsonl
 from pipeline.util.package_data import DATA_DIR
 
 BUILTIN_DIR = DATA_DIR / "eval"
@@ -77,18 +77,7 @@ def _load_builtin() -> EvalSet:
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    records = []
-    for number, line in enumerate(path.read_text("utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"{path} line {number}: not valid JSON ({err.msg})") from None
-        if not isinstance(record, dict):
-            raise ConfigError(f"{path} line {number}: expected a JSON object, got {type(record).__name__}")
-        records.append({"_where": f"{path} line {number}", **record})
-    return records
+    return [{"_where": where, **record} for where, record in read_jsonl(path)]
 
 
 def _from_records(records: list[dict[str, Any]], origin: str) -> EvalSet:

@@ -188,7 +188,7 @@ def test_jsonl_eval_set(tmp_path: Path) -> None:
         ('{"task": "poem", "text": "x"}', "task='poem' is invalid"),
         ('{"task": "qa", "question": "q", "answers": []}', "non-empty list"),
         ('{"task": "summarize", "article": "a"}', "field `summary` must be a non-empty string"),
-        ("not json", "line 2: not valid JSON"),
+        ("not json", ":2: not valid JSON"),
     ],
 )
 def test_bad_jsonl_names_the_line(tmp_path: Path, line: str, message: str) -> None:

@@ -5,7 +5,6 @@ serving defaults next to the checkpoint's weights, which are hard-linked when po
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ from pipeline.runtime.engine_config import (
     engine_config_from_dict,
     write_engine_config,
 )
+from pipeline.util.files import link_or_copy
 
 # speculative.mode -> TensorRT-LLM's SpeculativeDecodingMode name.
 SPECULATIVE_MODES: dict[str, str | None] = {
@@ -65,7 +65,7 @@ def build(cfg: BuildConfig, ckpt_dir: Path, out_dir: Path) -> dict[str, Any]:
         ),
     )
     out_dir.mkdir(parents=True, exist_ok=True)
-    linked = _link_or_copy(ckpt_dir / WEIGHTS_FILE, out_dir / WEIGHTS_FILE)
+    linked = link_or_copy(ckpt_dir / WEIGHTS_FILE, out_dir / WEIGHTS_FILE)
     if (ckpt_dir / TOKENIZER_DIR).is_dir():
         shutil.copytree(ckpt_dir / TOKENIZER_DIR, out_dir / TOKENIZER_DIR, dirs_exist_ok=True)
     write_engine_config(out_dir, engine)
@@ -150,15 +150,3 @@ def _plugin_config(cfg: BuildConfig) -> dict[str, Any]:
         "remove_input_padding": True,
         "context_fmha": True,
     }
-
-
-def _link_or_copy(src: Path, dst: Path) -> bool:
-    """Hard-link the weights (no second copy on disk); copy across file systems."""
-    if dst.exists():
-        dst.unlink()
-    try:
-        os.link(src, dst)
-        return True
-    except OSError:
-        shutil.copy2(src, dst)
-        return False

@@ -19,6 +19,7 @@ from pipeline.backends.trtllm.api import check_unified_checkpoint, load_api, mod
 from pipeline.backends.trtllm.versions import CALIBRATED_MODES
 from pipeline.config.build_config import BuildConfig
 from pipeline.errors import ConfigError, MissingArtifactError
+from pipeline.util.files import read_jsonl
 
 # What `calibration.dataset: builtin` means on this path: TensorRT-LLM's own default calibration set,
 # fetched from the Hugging Face Hub by ModelOpt on the GPU host.
@@ -34,12 +35,7 @@ def needs_calibration(cfg: BuildConfig) -> bool:
 
 def _read_texts(path: Path) -> list[str]:
     if path.suffix == ".jsonl":
-        texts = []
-        for line in path.read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                record = json.loads(line)
-                texts.append(record if isinstance(record, str) else str(record["text"]))
-        return texts
+        return [str(record["text"]) for _, record in read_jsonl(path)]
     return [block.strip() for block in path.read_text(encoding="utf-8").split("\n\n") if block.strip()]
 
 

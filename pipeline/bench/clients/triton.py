@@ -1,4 +1,5 @@
-"""Triton targets: streaming requests over gRPC (default) or HTTP server-sent events.
+"""Triton targets: streaming requests over gRPC (default) or HTTP server-sent events, sent by
+pipeline.serving.client.
 
 Two models can be driven: `ensemble` (text in, text out: tokenization and detokenization included, what a
 user calls) and `tensorrt_llm` (token ids in and out, like tensorrtllm_backend's benchmark_core_model.py).
@@ -11,10 +12,7 @@ response's acceptance outputs become the record's draft counts.
 
 from __future__ import annotations
 
-import http.client
 import itertools
-import json
-import queue
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,6 +24,7 @@ import numpy as np
 from pipeline.bench.metrics import DraftCounts
 from pipeline.bench.requests import BenchRequest
 from pipeline.errors import ServingError
+from pipeline.serving.client import GenerationOptions, GrpcClient, HttpClient, Outputs, request_json
 
 MODELS = ("ensemble", "tensorrt_llm")
 PERF_METRICS_INPUT = "return_perf_metrics"
@@ -85,8 +84,22 @@ def ensemble_token_count(output_log_probs: Any) -> int:
     return size or 1
 
 
-def _scalar_params(request: BenchRequest, inputs: ModelInputs, min_tokens_equal_max: bool) -> dict[str, Any]:
-    params: dict[str, Any] = {}
+def _request_body(
+    request: BenchRequest, model: str, inputs: ModelInputs, min_tokens_equal_max: bool
+) -> dict[str, Any]:
+    if model == "ensemble":
+        if request.prompt is None:
+            raise ValueError(f"request {request.index} has no prompt text (pass a tokenizer)")
+        body = request_json(request.prompt, GenerationOptions(max_tokens=request.output_tokens, stream=True))
+    else:
+        if request.input_ids is None:
+            raise ValueError(f"request {request.index} has no input_ids")
+        body = {
+            "input_ids": list(request.input_ids),
+            "input_lengths": len(request.input_ids),
+            "request_output_len": request.output_tokens,
+            "streaming": True,
+        }
     if min_tokens_equal_max:
         if inputs.min_tokens_name is None:
             raise ServingError(
@@ -94,15 +107,32 @@ def _scalar_params(request: BenchRequest, inputs: ModelInputs, min_tokens_equal_
                 "to their intended length",
                 hint="pass --no-min-tokens-equal-max",
             )
-        params[inputs.min_tokens_name] = request.output_tokens
+        body[inputs.min_tokens_name] = request.output_tokens
     if "top_k" in inputs.names:
-        params["top_k"] = 1  # greedy, as every other target in the comparison
+        body["top_k"] = 1  # greedy, as every other target in the comparison
     if "runtime_top_k" in inputs.names:
-        params["runtime_top_k"] = 1
-    return params
+        body["runtime_top_k"] = 1
+    if inputs.reports_drafts:
+        body[PERF_METRICS_INPUT] = True
+    return body
+
+
+def _counts(model: str, outputs: Outputs) -> Iterator[int | DraftCounts]:
+    """What one response adds for the load generator: its token count, and the draft counts it carries."""
+    if model == "tensorrt_llm":
+        ids = outputs("output_ids")
+        if ids is not None:
+            yield int(np.asarray(ids).shape[-1])
+    elif outputs("text_output") is not None:
+        yield ensemble_token_count(outputs("output_log_probs"))
+    drafts = draft_counts(outputs("total_draft_tokens"), outputs("total_accepted_draft_tokens"))
+    if drafts is not None:
+        yield drafts
 
 
 class TritonGrpcTarget:
+    """One GrpcClient per calling thread, whose kept-open stream carries that thread's requests."""
+
     def __init__(
         self,
         url: str,
@@ -111,129 +141,43 @@ class TritonGrpcTarget:
         name: str | None = None,
         timeout_s: float = 600.0,
     ) -> None:
-        import tritonclient.grpc as grpcclient
-
         if model not in MODELS:
             raise ServingError(f"--model {model!r} is not one of {', '.join(MODELS)}")
-        self._grpc = grpcclient
         self.url, self.model, self.timeout_s = url, model, timeout_s
         self.min_tokens_equal_max = min_tokens_equal_max
         self.name = name or f"triton-grpc-{model}"
         self._local = threading.local()
-        self._clients: list[Any] = []
+        self._clients: list[GrpcClient] = []
         self._lock = threading.Lock()
         self._ids = itertools.count()
-        self.inputs = self._probe()
-        self._requested_outputs = self._outputs_to_request()
+        with GrpcClient(url, model, timeout_s) as probe:
+            self.inputs = ModelInputs.from_config(probe.model_config())
+        # What the load generator reads: the server then serializes, and this process parses, 2-4 tensors
+        # per response instead of every output.
+        names = ["output_ids"] if model == "tensorrt_llm" else ["text_output", "output_log_probs"]
+        names += ["total_draft_tokens", "total_accepted_draft_tokens"]
+        self._outputs = [n for n in names if n in self.inputs.outputs]
 
-    def _probe(self) -> ModelInputs:
-        client = self._grpc.InferenceServerClient(self.url)
-        try:
-            if not client.is_model_ready(self.model):
-                raise ServingError(f"model {self.model!r} is not ready on {self.url}")
-            config = client.get_model_config(self.model, as_json=True)["config"]
-        except self._grpc.InferenceServerException as err:
-            raise ServingError(
-                f"cannot reach Triton at {self.url} over gRPC: {err.message()}",
-                hint="start it with `llmpipe serve CONFIG`, or check the port",
-            ) from None
-        finally:
-            client.close()
-        return ModelInputs.from_config(config)
-
-    def _session(self) -> tuple[Any, queue.SimpleQueue[tuple[Any, Any]]]:
-        """This thread's client with an open stream; one request at a time flows through it."""
-        session = getattr(self._local, "session", None)
-        if session is None:
-            client = self._grpc.InferenceServerClient(self.url)
-            responses: queue.SimpleQueue[tuple[Any, Any]] = queue.SimpleQueue()
-            client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    def _client(self) -> GrpcClient:
+        client = getattr(self._local, "client", None)
+        if client is None:
+            client = self._local.client = GrpcClient(self.url, self.model, self.timeout_s, keep_stream=True)
             with self._lock:
                 self._clients.append(client)
-            session = self._local.session = (client, responses)
-        return session
-
-    def _tensor(self, name: str, value: np.ndarray, datatype: str) -> Any:
-        array = value[np.newaxis, ...] if self.inputs.batched else value
-        tensor = self._grpc.InferInput(name, list(array.shape), datatype)
-        tensor.set_data_from_numpy(array)
-        return tensor
-
-    def _build(self, request: BenchRequest) -> list[Any]:
-        scalars = _scalar_params(request, self.inputs, self.min_tokens_equal_max)
-        if self.model == "ensemble":
-            if request.prompt is None:
-                raise ValueError(f"request {request.index} has no prompt text (pass a tokenizer)")
-            tensors = [
-                self._tensor("text_input", np.array([request.prompt.encode()], dtype=object), "BYTES"),
-                self._tensor("max_tokens", np.array([request.output_tokens], dtype=np.int32), "INT32"),
-                self._tensor("stream", np.array([True]), "BOOL"),
-            ]
-        else:
-            if request.input_ids is None:
-                raise ValueError(f"request {request.index} has no input_ids")
-            tensors = [
-                self._tensor("input_ids", np.array(request.input_ids, dtype=np.int32), "INT32"),
-                self._tensor("input_lengths", np.array([len(request.input_ids)], dtype=np.int32), "INT32"),
-                self._tensor(
-                    "request_output_len", np.array([request.output_tokens], dtype=np.int32), "INT32"
-                ),
-                self._tensor("streaming", np.array([True]), "BOOL"),
-            ]
-        tensors += [self._tensor(k, np.array([v], dtype=np.int32), "INT32") for k, v in scalars.items()]
-        if self.inputs.reports_drafts:
-            tensors.append(self._tensor(PERF_METRICS_INPUT, np.array([True]), "BOOL"))
-        return tensors
-
-    def _outputs_to_request(self) -> list[Any]:
-        """What a client reads: the text (or ids) and what the token count and draft counts need. The server
-        then serializes, and this process parses, 2-4 tensors per response instead of every output."""
-        names = ["output_ids"] if self.model == "tensorrt_llm" else ["text_output", "output_log_probs"]
-        names += ["total_draft_tokens", "total_accepted_draft_tokens"]
-        return [self._grpc.InferRequestedOutput(n) for n in names if n in self.inputs.outputs]
+        return client
 
     def stream(self, request: BenchRequest) -> Iterator[int | DraftCounts]:
-        client, responses = self._session()
-        request_id = f"bench-{next(self._ids)}"
-        client.async_stream_infer(
-            self.model,
-            self._build(request),
-            outputs=self._requested_outputs,
-            request_id=request_id,
-            enable_empty_final_response=True,
+        body = _request_body(request, self.model, self.inputs, self.min_tokens_equal_max)
+        responses = self._client().responses(
+            body, f"bench-{next(self._ids)}", self._outputs, batched=self.inputs.batched
         )
-        while True:
-            try:
-                result, error = responses.get(timeout=self.timeout_s)
-            except queue.Empty:
-                raise ServingError(f"no response from Triton in {self.timeout_s:.0f}s") from None
-            if error is not None:
-                raise ServingError(f"Triton error: {error}")
-            response = result.get_response()
-            if response.id != request_id:  # a late response of an earlier request that failed on this stream
-                continue
-            final = response.parameters.get("triton_final_response")
-            if response.outputs:
-                yield self._count(result)
-                drafts = draft_counts(
-                    result.as_numpy("total_draft_tokens"), result.as_numpy("total_accepted_draft_tokens")
-                )
-                if drafts is not None:
-                    yield drafts
-            if final is not None and final.bool_param:
-                return
-
-    def _count(self, result: Any) -> int:
-        if self.model == "tensorrt_llm":
-            ids = result.as_numpy("output_ids")
-            return 0 if ids is None else int(ids.shape[-1])
-        return ensemble_token_count(result.as_numpy("output_log_probs"))
+        for outputs in responses:
+            yield from _counts(self.model, outputs)
 
     def close(self) -> None:
         with self._lock:
             clients, self._clients = self._clients, []
         for client in clients:
-            client.stop_stream()
             client.close()
 
 
@@ -250,76 +194,16 @@ class TritonHttpTarget:
     ) -> None:
         if model != "ensemble":
             raise ServingError("the HTTP generate_stream endpoint takes text: use --model ensemble (or gRPC)")
-        self.host_port, self.model, self.timeout_s = url, model, timeout_s
+        self.model = model
         self.min_tokens_equal_max = min_tokens_equal_max
         self.name = name or "triton-http-ensemble"
-        self.inputs = self._probe()
-
-    def _connection(self) -> http.client.HTTPConnection:
-        host, port = self.host_port.rsplit(":", 1)
-        return http.client.HTTPConnection(host, int(port), timeout=self.timeout_s)
-
-    def _probe(self) -> ModelInputs:
-        conn = self._connection()
-        try:
-            conn.request("GET", f"/v2/models/{self.model}/config")
-            response = conn.getresponse()
-            body = response.read()
-        except OSError as err:
-            raise ServingError(
-                f"cannot reach Triton at http://{self.host_port}: {err}",
-                hint="start it with `llmpipe serve CONFIG`, or check the port",
-            ) from None
-        finally:
-            conn.close()
-        if response.status != 200:
-            raise ServingError(
-                f"model {self.model!r} is not available on http://{self.host_port} "
-                f"(HTTP {response.status}: {body[:200].decode(errors='replace')})"
-            )
-        config = json.loads(body)
-        return ModelInputs.from_config(config)
+        self.client = HttpClient(url, model, timeout_s)
+        self.inputs = ModelInputs.from_config(self.client.model_config())
 
     def stream(self, request: BenchRequest) -> Iterator[int | DraftCounts]:
-        if request.prompt is None:
-            raise ValueError(f"request {request.index} has no prompt text (pass a tokenizer)")
-        body = {
-            "text_input": request.prompt,
-            "max_tokens": request.output_tokens,
-            "stream": True,
-            **_scalar_params(request, self.inputs, self.min_tokens_equal_max),
-        }
-        if self.inputs.reports_drafts:
-            body[PERF_METRICS_INPUT] = True
-        conn = self._connection()
-        try:
-            conn.request(
-                "POST",
-                f"/v2/models/{self.model}/generate_stream",
-                json.dumps(body),
-                {"Content-Type": "application/json", "Accept": "text/event-stream"},
-            )
-            response = conn.getresponse()
-            if response.status != 200:
-                raise ServingError(
-                    f"HTTP {response.status}: {response.read()[:300].decode(errors='replace')}"
-                )
-            for raw in response:
-                line = raw.decode().strip()
-                if not line.startswith("data:"):
-                    continue
-                event = json.loads(line[5:])
-                if "error" in event:
-                    raise ServingError(f"Triton error: {event['error']}")
-                if "text_output" in event:
-                    yield ensemble_token_count(event.get("output_log_probs"))
-                drafts = draft_counts(
-                    event.get("total_draft_tokens"), event.get("total_accepted_draft_tokens")
-                )
-                if drafts is not None:
-                    yield drafts
-        finally:
-            conn.close()
+        body = _request_body(request, self.model, self.inputs, self.min_tokens_equal_max)
+        for outputs in self.client.responses(body):
+            yield from _counts(self.model, outputs)
 
     def close(self) -> None:
         """Nothing to release: each request opens and closes its own connection."""
