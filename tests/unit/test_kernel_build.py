@@ -126,10 +126,16 @@ def test_the_cache_key_follows_the_compiler_version(tmp_path: Path, monkeypatch:
     source.write_text("int answer(void) { return 42; }\n")
     compiler = _fake_compiler(tmp_path / "cxx", "fake c++ 12.2.0")
     assert build.compiler_identity(compiler) == "fake c++ 12.2.0"
-    old = build.compile_cached("answer", [source], ["-shared", "-fPIC"], compiler, salt="")
-    assert build.compile_cached("answer", [source], ["-shared", "-fPIC"], compiler, salt="") == old
+
+    def compile_answer() -> Path:
+        args = ["-shared", "-fPIC"]
+        target = build.cache_path("answer", [source], args, compiler, build.compiler_identity(compiler), "")
+        return build.compile_cached(compiler, [source], args, target)
+
+    old = compile_answer()
+    assert compile_answer() == old
     _fake_compiler(tmp_path / "cxx", "fake c++ 13.1.0")  # the same command, upgraded
-    new = build.compile_cached("answer", [source], ["-shared", "-fPIC"], compiler, salt="")
+    new = compile_answer()
     assert new != old and new.is_file() and old.is_file()
 
 

@@ -122,11 +122,10 @@ def plan_library() -> KernelLibrary:
 def build_library() -> KernelLibrary:
     """`plan_library()`'s library, compiled unless cached; raises KernelsUnavailable saying why it cannot be."""
     library = plan_library()
-    if not library.path.exists():
-        try:
-            _compile(compiler_command(), SOURCES, _library_args(library.isa), library.path)
-        except (OSError, subprocess.SubprocessError) as exc:
-            raise KernelsUnavailable(f"building the CPU kernels failed: {exc}") from None
+    try:
+        compile_cached(compiler_command(), SOURCES, _library_args(library.isa), library.path)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise KernelsUnavailable(f"building the CPU kernels failed: {exc}") from None
     return library
 
 
@@ -210,23 +209,10 @@ def cache_path(
     return cache_dir() / f"{name}-{digest.hexdigest()[:16]}.so"
 
 
-def compile_cached(
-    name: str,
-    sources: Sequence[Path],
-    args: Sequence[str],
-    compiler: str,
-    salt: str,
-    headers: Sequence[Path] = (),
-) -> Path:
-    """`cache_path(...)` built from `sources` with `compiler *args`, compiling only if absent; `headers`
-    (included by the sources) are part of the hash."""
-    target = cache_path(name, (*sources, *headers), args, compiler, compiler_identity(compiler), salt)
-    if not target.exists():
-        _compile(compiler, sources, args, target)
-    return target
-
-
-def _compile(compiler: str, sources: Sequence[Path], args: Sequence[str], target: Path) -> None:
+def compile_cached(compiler: str, sources: Sequence[Path], args: Sequence[str], target: Path) -> Path:
+    """`target` (a `cache_path`), compiled from `sources` with `compiler *args` unless it exists."""
+    if target.exists():
+        return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
         out = Path(tmp) / target.name
@@ -239,6 +225,7 @@ def _compile(compiler: str, sources: Sequence[Path], args: Sequence[str], target
             ] or proc.stderr.splitlines()
             raise OSError(f"{compiler} exited with {proc.returncode}: {' | '.join(errors[:3])}")
         os.replace(out, target)
+    return target
 
 
 def _library_args(isa: str) -> list[str]:
