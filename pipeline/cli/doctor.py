@@ -48,6 +48,27 @@ def _fast_dtypes(device: str) -> list[str]:
     return ["float32", "bfloat16"] if cpu_has_bf16_dot() else ["float32"]
 
 
+def _cpu_kernels(torch: dict[str, Any]) -> dict[str, Any]:
+    """The torch backend's CPU kernel library: the ISA and compiler it is built with, its cache path and
+    whether it is built there (it is not built here: the engine stage or the first model load does that)."""
+    report: dict[str, Any] = {"isa": None, "compiler": None, "library": None, "built": False, "reason": None}
+    if torch.get("version") is None:
+        return {**report, "reason": torch.get("reason")}
+    from pipeline.runtime.kernels import build
+
+    try:
+        library = build.plan_library()
+    except build.KernelsUnavailable as exc:
+        return {**report, "reason": str(exc)}
+    return {
+        **report,
+        "isa": library.isa,
+        "compiler": library.compiler,
+        "library": str(library.path),
+        "built": library.path.is_file(),
+    }
+
+
 def _trtllm_backend(trtllm: env.Probe, gpus: env.Probe) -> dict[str, Any]:
     reasons = [r for r in (trtllm.reason, gpus.reason) if r]
     if trtllm.value is not None:
@@ -79,6 +100,7 @@ def collect_report() -> dict[str, Any]:
         "tritonserver": env.tritonserver_version().as_dict(),
         "pinned_release": {"tensorrt_llm": PINNED, "container": RELEASES[PINNED].triton_container},
         "backends": {"torch": _torch_backend(torch), "trtllm": _trtllm_backend(trtllm, gpus)},
+        "cpu_kernels": _cpu_kernels(torch),
     }
 
 
@@ -124,6 +146,13 @@ def format_table(report: dict[str, Any]) -> str:
         else:
             text = f"no: {backend['reason']}"
         rows.append((f"backend {name}", text))
+    kernels = report["cpu_kernels"]
+    if kernels["reason"]:
+        kernels_text = f"off: {kernels['reason']}"
+    else:
+        state = "built" if kernels["built"] else "not built yet (by `llmpipe build` or the first model load)"
+        kernels_text = f"{kernels['isa']}, {kernels['compiler']}; {state}: {kernels['library']}"
+    rows.append(("CPU kernels", kernels_text))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name.ljust(width)}  {value}" for name, value in rows)
 
@@ -131,8 +160,8 @@ def format_table(report: dict[str, Any]) -> str:
 @click.command("doctor", context_settings=CONTEXT)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def doctor(as_json: bool) -> None:
-    """Show what this machine can do: GPUs, CUDA, TensorRT-LLM, Triton, and which backends and quantization
-    modes are possible here (and why not).
+    """Show what this machine can do: GPUs, CUDA, TensorRT-LLM, Triton, which backends and quantization
+    modes are possible here (and why not), and the torch backend's CPU kernels (ISA, compiler, library).
 
     \b
     Examples:

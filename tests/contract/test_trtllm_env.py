@@ -50,6 +50,30 @@ def test_doctor_here_reports_torch_available_and_trtllm_not_with_the_reason() ->
     assert f"fast dtypes: {', '.join(expected)}" in table
 
 
+def test_doctor_reports_the_cpu_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(build.DISABLE_ENV, raising=False)
+    kernels = collect_report()["cpu_kernels"]
+    try:
+        library = build.plan_library()
+    except build.KernelsUnavailable as exc:
+        assert kernels["reason"] == str(exc)
+    else:
+        assert kernels == {
+            "isa": build.kernel_isa(),
+            "compiler": build.compiler_identity(build.compiler_command()),
+            "library": str(library.path),
+            "built": library.path.is_file(),
+            "reason": None,
+        }
+        assert f"CPU kernels     {kernels['isa']}, {kernels['compiler']}; " in format_table(collect_report())
+    monkeypatch.setenv("CXX", "no-such-c++")
+    report = json.loads(CliRunner().invoke(doctor, ["--json"]).output)
+    if "compiler" in (report["cpu_kernels"]["reason"] or ""):
+        assert report["cpu_kernels"]["isa"] is None and report["cpu_kernels"]["built"] is False
+        table = CliRunner().invoke(doctor, []).output
+        assert "CPU kernels     off: no C++ compiler 'no-such-c++' on PATH" in table
+
+
 def test_tritonserver_version_of_the_bundled_server() -> None:
     # The nvidia-pytriton wheel (installed by `make install`) carries Triton 2.51.0.
     assert env.tritonserver_version().value == "2.51.0"

@@ -1,4 +1,4 @@
-"""int8 KV cache (`kv_cache_dtype: int8` -> kv_cache_quant_algo INT8): the C kernel and the torch path
+"""int8 KV cache (`kv_cache_dtype: int8` -> kv_cache_quant_algo INT8): the attention kernel and the torch path
 write the same quantized cache and read it to the same attention output; an int8-KV engine computes what
 Hugging Face computes with its K/V quantized the same way, and stays close to the fp32-KV engine; the cache
 holds ~4x the tokens in the same memory; the quantize/build stages record the scheme in the engine config."""
@@ -26,7 +26,7 @@ from pipeline.runtime.core.sampling_params import SamplingParams
 from pipeline.runtime.core.scheduler import SchedulerConfig
 from pipeline.runtime.engine.llm_engine import LLMEngine
 from pipeline.runtime.engine_config import model_config_from_dict
-from pipeline.runtime.kernels.cpu_ops import load_paged_attention
+from pipeline.runtime.kernels import ops as kernels
 from pipeline.runtime.model.layers import KernelAttention, TorchAttention, rotary_cos_sin
 from pipeline.runtime.worker.attn_metadata import SequenceChunk, build_attention_metadata
 from pipeline.runtime.worker.kv_cache import KVCache, bytes_per_block, num_kv_blocks
@@ -58,9 +58,8 @@ def test_kernel_and_torch_path_agree_on_the_int8_cache(head_dim: int, window: in
     """Mixed batch (a fresh prompt, a chunk after cached context, decodes) over shuffled blocks, GQA 6:2,
     starting from the same random int8 cache: both paths write the same int8 values and scales, and their
     attention outputs over that cache agree to fp32 summation-order noise."""
-    kernel = load_paged_attention()
-    if kernel is None:
-        pytest.skip("no C compiler: the kernel path is unavailable")
+    if not kernels.kernels_available():
+        pytest.skip(f"kernels unavailable: {kernels.kernels_unavailable_reason()}")
     config = model_config_from_dict(
         {
             "architecture": "LlamaForCausalLM", "dtype": "float32", "vocab_size": 10, "hidden_size": 48,
@@ -95,9 +94,7 @@ def test_kernel_and_torch_path_agree_on_the_int8_cache(head_dim: int, window: in
         )
         qkv = qkv_in[: meta.num_tokens].clone()
         attention = (
-            KernelAttention(kernel, cache, config, cos_sin)
-            if use_kernel
-            else TorchAttention(cache, config, cos_sin)
+            KernelAttention(cache, config, cos_sin) if use_kernel else TorchAttention(cache, config, cos_sin)
         )
         attention.begin_step(meta)
         results.append((attention(0, qkv, meta), cache.storage.clone(), cache.scales.clone()))

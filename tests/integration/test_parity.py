@@ -22,7 +22,7 @@ from pipeline.runtime.core.sampling_params import SamplingParams
 from pipeline.runtime.core.scheduler import SchedulerConfig
 from pipeline.runtime.engine.llm_engine import LLMEngine
 from pipeline.runtime.engine_config import model_config_from_dict
-from pipeline.runtime.kernels.cpu_ops import load_paged_attention
+from pipeline.runtime.kernels import ops as kernels
 from pipeline.runtime.model.greedy_head import GreedyLMHead
 from pipeline.runtime.model.layers import KernelAttention, TorchAttention, rotary_cos_sin
 from pipeline.runtime.worker.attn_metadata import SequenceChunk, build_attention_metadata
@@ -230,9 +230,8 @@ def test_kernel_attention_equals_torch_attention(window: int | None, cache_dtype
             "sliding_window": window,
         }
     )  # fmt: skip
-    kernel = load_paged_attention()
-    if kernel is None:
-        pytest.skip("no C compiler: the kernel path is unavailable")
+    if not kernels.kernels_available():
+        pytest.skip(f"kernels unavailable: {kernels.kernels_unavailable_reason()}")
     block_size, num_blocks = 4, 64
     generator = torch.Generator().manual_seed(0)
     tables = torch.randperm(num_blocks, generator=generator).tolist()
@@ -251,9 +250,7 @@ def test_kernel_attention_equals_torch_attention(window: int | None, cache_dtype
                                         sliding_window=window)  # fmt: skip
         qkv = torch.randn(meta.num_tokens, 10 * 16, generator=torch.Generator().manual_seed(2))
         attention = (
-            KernelAttention(kernel, cache, config, cos_sin)
-            if use_kernel
-            else TorchAttention(cache, config, cos_sin)
+            KernelAttention(cache, config, cos_sin) if use_kernel else TorchAttention(cache, config, cos_sin)
         )
         attention.begin_step(meta)
         outputs.append((attention(0, qkv, meta), cache.storage.clone()))

@@ -170,7 +170,7 @@ def test_model_step_equals_op_by_op_path(scheme: str | None, group: int | None) 
     for fused in (True, False):
         cache = KVCache(config, 16, 4, torch.float32, torch.device("cpu"), zero=True)
         attention = TorchAttention(cache, config, rotary_cos_sin(config, 128))
-        model = LlamaModel(config, weights, attention, ResidualRMSNorm(None, 64, EPS))
+        model = LlamaModel(config, weights, attention, ResidualRMSNorm(False, 64, EPS))
         assert model.fused is not None
         if not fused:
             model.fused = None

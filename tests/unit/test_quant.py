@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.runtime.kernels import ops as kernels
-from pipeline.runtime.kernels.build import compile_cached
+from pipeline.runtime.kernels.build import cache_path, compile_cached, compiler_identity
 from pipeline.runtime.quant import primitives
 from pipeline.runtime.quant.linear import QuantLinear, fp32_linear
 
@@ -232,7 +232,7 @@ torch.testing.assert_close(layer(x), F.linear(x, ref, b))
     ("env", "reason"),
     [
         ({"LLMPIPE_DISABLE_KERNELS": "1"}, "disabled by LLMPIPE_DISABLE_KERNELS=1"),
-        ({"CXX": "false"}, "building the quantized CPU kernels failed"),  # a compiler that always fails
+        ({"CXX": "false"}, "the C++ compiler 'false' does not run"),  # a compiler that always fails
     ],
 )
 def test_without_kernels_layers_fall_back_to_dequantize_matmul(
@@ -258,6 +258,12 @@ def c_compiler() -> str:
     return compiler
 
 
+def compile_c(source: Path, compiler: str) -> Path:
+    args = ["-shared", "-fPIC"]
+    target = cache_path(source.stem, [source], args, compiler, compiler_identity(compiler), salt="")
+    return compile_cached(compiler, [source], args, target)
+
+
 def test_concurrent_first_builds_leave_one_cached_library(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -267,7 +273,7 @@ def test_concurrent_first_builds_leave_one_cached_library(
     source.write_text("int answer(void) { return 42; }\n")
 
     def build(_: int) -> Path:
-        return compile_cached("answer", [source], ["-shared", "-fPIC"], compiler, salt="")
+        return compile_c(source, compiler)
 
     with ThreadPoolExecutor(max_workers=4) as pool:
         paths = set(pool.map(build, range(4)))
@@ -285,7 +291,7 @@ def test_compile_errors_name_the_compiler(tmp_path: Path, monkeypatch: pytest.Mo
     source = tmp_path / "broken.c"
     source.write_text("int broken(void) { return }\n")
     with pytest.raises(OSError, match="exited with"):
-        compile_cached("broken", [source], ["-shared", "-fPIC"], compiler, salt="")
+        compile_c(source, compiler)
     assert list((tmp_path / "kernels").iterdir()) == []
 
 

@@ -3,6 +3,7 @@ weight mapping, the checks that reject what the runtime cannot run, and engine c
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -18,11 +19,12 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from pipeline.backends.torch.build import build
 from pipeline.backends.torch.checkpoint import convert, pretrained_config_from_hf
 from pipeline.config.build_config import BuildConfig, build_config_from_dict
-from pipeline.errors import ConfigError, MissingArtifactError, UnsupportedModelError
+from pipeline.errors import BackendUnavailableError, ConfigError, MissingArtifactError, UnsupportedModelError
 from pipeline.runtime.core.outputs import ScheduledRequest, SchedulerOutput
 from pipeline.runtime.core.request import Request
 from pipeline.runtime.core.sampling_params import SamplingParams
 from pipeline.runtime.engine_config import load_engine_config, model_config_from_dict
+from pipeline.runtime.kernels import build as kernel_build
 from pipeline.runtime.model.layers import DenseLinear, rotary_cos_sin
 from pipeline.runtime.quant.linear import QuantLinear
 from pipeline.runtime.quant.primitives import dequantize_int8, quantize_int8_per_channel
@@ -153,6 +155,45 @@ def test_build_writes_trtllm_style_engine_config(tiny_llama_dir: Path, tmp_path:
     loaded = load_engine_config(tmp_path / "engine")
     assert loaded.model.num_hidden_layers == 2 and loaded.build.max_seq_len == 512
     assert loaded.tokenizer_dir.is_dir()
+
+
+def test_build_compiles_the_cpu_kernels_and_records_them(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(kernel_build.DISABLE_ENV, raising=False)
+    try:
+        kernel_build.plan_library()
+    except kernel_build.KernelsUnavailable as exc:
+        pytest.skip(str(exc))
+    cfg = make_cfg(tiny_llama_dir)
+    convert(cfg, tiny_llama_dir, tmp_path / "ckpt")
+    facts = build(cfg, tmp_path / "ckpt", tmp_path / "engine")
+    library = kernel_build.plan_library()
+    assert facts["kernels"] == {
+        "isa": kernel_build.kernel_isa(),
+        "compiler": kernel_build.compiler_identity(kernel_build.compiler_command()),
+        "library_sha256": hashlib.sha256(library.path.read_bytes()).hexdigest(),
+    }
+    assert json.loads(json.dumps(facts)) == facts  # the stage manifest stores the facts as JSON
+
+
+def test_build_without_a_compiler_fails_unless_the_torch_path_is_chosen(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = make_cfg(tiny_llama_dir)
+    convert(cfg, tiny_llama_dir, tmp_path / "ckpt")
+    monkeypatch.delenv(kernel_build.DISABLE_ENV, raising=False)
+    monkeypatch.setenv("CXX", "no-such-c++")
+    with pytest.raises(BackendUnavailableError, match="CPU kernels cannot be built here") as info:
+        build(cfg, tmp_path / "ckpt", tmp_path / "engine")
+    assert "\n" not in info.value.message
+    assert info.value.hint is not None and "LLMPIPE_DISABLE_KERNELS=1" in info.value.hint
+    assert not (tmp_path / "engine").exists()
+    monkeypatch.setenv(kernel_build.DISABLE_ENV, "1")
+    assert build(cfg, tmp_path / "ckpt", tmp_path / "engine")["kernels"] is None
+    monkeypatch.delenv(kernel_build.DISABLE_ENV)
+    cuda_cfg = make_cfg(tiny_llama_dir, engine={"device": "cuda"})  # a GPU engine never runs them
+    assert build(cuda_cfg, tmp_path / "ckpt", tmp_path / "cuda-engine")["kernels"] is None
 
 
 def test_engine_config_errors_name_the_field(tiny_llama_dir: Path, tmp_path: Path) -> None:

@@ -1,6 +1,8 @@
 """build (torch backend): checkpoint directory -> engine directory. The torch runtime needs no compiled
 plan, so "building" records the limits the engine was built for (TensorRT-LLM's `build_config`) and the
-serving defaults next to the checkpoint's weights, which are hard-linked when possible."""
+serving defaults next to the checkpoint's weights, which are hard-linked when possible, and compiles this
+machine's CPU kernels into the kernel cache (recorded in the facts; the runtime rebuilds them on demand where
+the engine directory moves to another machine)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from typing import Any
 import pipeline
 from pipeline.config.build_config import BuildConfig
 from pipeline.config.workdir import draft_engine_dir
-from pipeline.errors import ConfigError, MissingArtifactError
+from pipeline.errors import BackendUnavailableError, ConfigError, MissingArtifactError
 from pipeline.runtime.engine_config import (
     TOKENIZER_DIR,
     WEIGHTS_FILE,
@@ -22,6 +24,7 @@ from pipeline.runtime.engine_config import (
     engine_config_from_dict,
     write_engine_config,
 )
+from pipeline.runtime.kernels import build as kernel_build
 from pipeline.util.files import link_or_copy
 
 # speculative.mode -> TensorRT-LLM's SpeculativeDecodingMode name.
@@ -64,6 +67,7 @@ def build(cfg: BuildConfig, ckpt_dir: Path, out_dir: Path) -> dict[str, Any]:
             scheduler_policy=cfg.scheduler.policy,
         ),
     )
+    kernels = _compile_kernels(cfg)
     out_dir.mkdir(parents=True, exist_ok=True)
     linked = link_or_copy(ckpt_dir / WEIGHTS_FILE, out_dir / WEIGHTS_FILE)
     if (ckpt_dir / TOKENIZER_DIR).is_dir():
@@ -79,6 +83,7 @@ def build(cfg: BuildConfig, ckpt_dir: Path, out_dir: Path) -> dict[str, Any]:
         "max_num_tokens": engine.build.max_num_tokens,
         "tokens_per_block": engine.build.plugin_config.tokens_per_block,
         "weights_hardlinked": linked,
+        "kernels": kernels,
         "seconds": round(time.perf_counter() - started, 2),
     }
 
@@ -114,6 +119,24 @@ def _check_matches_config(cfg: BuildConfig, pretrained: dict[str, Any], ckpt_dir
                 f"{ckpt_dir} holds {field}={stored.get(field)!r} but {setting} means {wanted!r}",
                 hint="rerun `llmpipe quantize` (or the whole pipeline) with this config",
             )
+
+
+def _compile_kernels(cfg: BuildConfig) -> dict[str, str] | None:
+    """Build the CPU kernels here, so that a missing compiler fails the build rather than slowing every
+    request down at serving time: their record for the facts, or None where the engine will not use them
+    (engine.device cuda, or LLMPIPE_DISABLE_KERNELS=1)."""
+    if cfg.engine.device == "cuda":
+        return None
+    try:
+        return kernel_build.build_library().facts()
+    except kernel_build.KernelsUnavailable as exc:
+        if exc.chosen:
+            return None
+        raise BackendUnavailableError(
+            f"the torch backend's CPU kernels cannot be built here: {exc}",
+            hint=f"install a C++ compiler (g++, or set CXX), or set {kernel_build.DISABLE_ENV}=1 to serve "
+            "through the pure-PyTorch path (several times slower)",
+        ) from None
 
 
 def _build_limits(cfg: BuildConfig) -> dict[str, Any]:

@@ -1,9 +1,12 @@
-"""Compile the kernels on first use into a per-user cache and register them as torch ops (`llmpipe_quant`).
+"""Compile the kernels in csrc/ into one per-user cached library that registers the `torch.ops.llmpipe_quant` ops.
 
-The shared object is keyed by a hash of the sources, the compiler command and the torch version, so an edited
-kernel, another compiler or another torch never picks up a stale build. Concurrent first uses (test workers,
-several Triton model instances) are safe: each process compiles into its own temporary directory and atomically
-renames the result into place; the losers of the race overwrite it with an identical file.
+The torch backend's engine stage builds the library for its machine (a missing compiler fails that stage unless
+LLMPIPE_DISABLE_KERNELS=1 chooses the pure-PyTorch path); the runtime loads it, building it first where an
+engine directory moved to a machine without it. The shared object is keyed by a hash of the sources, the
+compiler's identity (`<cc> --version`), its arguments and the torch version, so an edited kernel, an upgraded
+compiler or another torch never picks up a stale build. Concurrent first uses (test workers, several Triton model
+instances) are safe: each process compiles into its own temporary directory and atomically renames the result
+into place; the losers of the race overwrite it with an identical file.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,8 +29,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent / "csrc"
-SOURCES = tuple(HERE / name for name in ("qgemv.cpp", "decoder.cpp", "greedy_head.cpp", "torch_ops.cpp"))
-HEADERS = tuple(HERE / name for name in ("gemm_blocks.h", "decoder.h", "greedy_head.h"))
+SOURCES = tuple(sorted(HERE.glob("*.cpp")))
+HEADERS = tuple(sorted(HERE.glob("*.h")))
 KERNEL_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-std=c++20")
 # Instruction sets the kernels are built for, picked from this CPU's flags (the flags are part of the cache key,
 # so hosts sharing a cache each get their own build). AVX-512 widens the vectors and doubles the registers;
@@ -42,8 +46,34 @@ BF16_CPU_FLAG = "avx512_bf16"
 # A lower ISA than the CPU's on request (tests, comparisons), e.g. "avx2" on an AVX-512 CPU.
 ISA_ENV = "LLMPIPE_KERNEL_ISA"
 COMPILE_TIMEOUT_S = 600
+# "1": run the pure-PyTorch path and build no kernels; the only way to get that path without an error.
 DISABLE_ENV = "LLMPIPE_DISABLE_KERNELS"
 CACHE_ENV = "LLMPIPE_CACHE_DIR"
+
+
+class KernelsUnavailable(Exception):
+    """Why the kernel library cannot be built or loaded here; `chosen` when the user turned the kernels off."""
+
+    def __init__(self, reason: str, chosen: bool = False) -> None:
+        super().__init__(reason)
+        self.chosen = chosen
+
+
+@dataclass(frozen=True)
+class KernelLibrary:
+    """The library this machine builds: its instruction set, compiler and cache path."""
+
+    isa: str
+    compiler: str  # first line of `<cc> --version`
+    path: Path
+
+    def facts(self) -> dict[str, str]:
+        """The engine manifest's record of the build (its hash names the exact binary the engine was built with)."""
+        return {
+            "isa": self.isa,
+            "compiler": self.compiler,
+            "library_sha256": hashlib.sha256(self.path.read_bytes()).hexdigest(),
+        }
 
 
 def cache_dir() -> Path:
@@ -52,36 +82,70 @@ def cache_dir() -> Path:
     return (Path(root).expanduser() if root else Path.home() / ".cache" / "llmpipe") / "kernels"
 
 
-def load_library() -> str:
-    """Build (once) and register the `torch.ops.llmpipe_quant` ops; returns "" on success, else why not."""
-    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
-        return f"disabled by {DISABLE_ENV}={os.environ[DISABLE_ENV]}"
+def kernels_disabled() -> bool:
+    """Whether LLMPIPE_DISABLE_KERNELS=1 chose the pure-PyTorch path ("" or "0": it did not)."""
+    value = os.environ.get(DISABLE_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise KernelsUnavailable(f"{DISABLE_ENV}={value!r}: expected 1 (use the pure-PyTorch path) or 0")
+    return value == "1"
+
+
+def plan_library() -> KernelLibrary:
+    """The library this machine loads, built or not; raises KernelsUnavailable where there can be none."""
+    if kernels_disabled():
+        raise KernelsUnavailable(f"disabled by {DISABLE_ENV}=1", chosen=True)
     if sys.platform != "linux" or platform.machine() != "x86_64":
-        return f"the kernels are built for x86-64 Linux, this is {sys.platform}/{platform.machine()}"
+        raise KernelsUnavailable(
+            f"the kernels are built for x86-64 Linux, this is {sys.platform}/{platform.machine()}"
+        )
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in ("AVX2", "AVX512"):
-        return f"the kernels need AVX2 + FMA; torch reports CPU capability {capability!r}"
-    compiler = os.environ.get("CXX", "g++")
+        raise KernelsUnavailable(f"the kernels need AVX2 + FMA; torch reports CPU capability {capability!r}")
+    compiler = compiler_command()
     if shutil.which(compiler) is None:
-        return f"no C++ compiler {compiler!r} on PATH (install g++ or set CXX)"
+        raise KernelsUnavailable(f"no C++ compiler {compiler!r} on PATH (install g++ or set CXX)")
     try:
         isa = kernel_isa()
-        path = compile_cached(
-            f"llmpipe_quant_{isa}",
-            SOURCES,
-            [*KERNEL_FLAGS, *ISA_FLAGS[isa], *_torch_flags()],
-            compiler,
-            torch.__version__,
-            headers=HEADERS,
-        )
+    except ValueError as exc:
+        raise KernelsUnavailable(str(exc)) from None
+    try:
+        identity = compiler_identity(compiler)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise KernelsUnavailable(f"the C++ compiler {compiler!r} does not run: {exc}") from None
+    args = _library_args(isa)
+    path = cache_path(
+        f"llmpipe_quant_{isa}", (*SOURCES, *HEADERS), args, compiler, identity, torch.__version__
+    )
+    return KernelLibrary(isa, identity, path)
+
+
+def build_library() -> KernelLibrary:
+    """`plan_library()`'s library, compiled unless cached; raises KernelsUnavailable saying why it cannot be."""
+    library = plan_library()
+    try:
+        compile_cached(compiler_command(), SOURCES, _library_args(library.isa), library.path)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise KernelsUnavailable(f"building the CPU kernels failed: {exc}") from None
+    return library
+
+
+def load_library() -> tuple[KernelLibrary | None, str]:
+    """Build (unless cached) and register the `torch.ops.llmpipe_quant` ops: (the library, "") or (None, why
+    not). Only the user's own choice of the torch path goes unlogged: any other reason is an ERROR, since every
+    model then runs several times slower."""
+    try:
+        library = build_library()
         # NOTE: torch is already loaded, so the library's libgomp.so.1 resolves to torch's copy: kernels and
         # torch ops share one OpenMP thread team instead of two teams spinning on the same cores.
-        torch.ops.load_library(str(path))
-    except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as exc:
-        reason = f"building the quantized CPU kernels failed: {exc}"
-        logger.warning("%s; using dequantize + matmul instead", reason)
-        return reason
-    return ""
+        torch.ops.load_library(str(library.path))
+    except KernelsUnavailable as exc:
+        if not exc.chosen:
+            logger.error("CPU kernels unavailable, running the slower pure-PyTorch path: %s", exc)
+        return None, str(exc)
+    except (OSError, RuntimeError) as exc:
+        logger.error("loading the CPU kernels failed, running the slower pure-PyTorch path: %s", exc)
+        return None, f"loading the CPU kernels failed: {exc}"
+    return library, ""
 
 
 @functools.cache
@@ -113,25 +177,40 @@ def kernel_isa() -> str:
     return best
 
 
-def compile_cached(
-    name: str,
-    sources: Sequence[Path],
-    args: Sequence[str],
-    compiler: str,
-    salt: str,
-    headers: Sequence[Path] = (),
+def compiler_command() -> str:
+    """The C++ compiler: $CXX, default g++."""
+    return os.environ.get("CXX", "g++")
+
+
+def compiler_identity(compiler: str) -> str:
+    """The first line of `<compiler> --version` (e.g. "g++ (Debian 12.2.0-14) 12.2.0"): the command's name alone
+    stays the same across a compiler upgrade, whose code generation may not."""
+    proc = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        raise OSError(f"`{compiler} --version` exited with {proc.returncode}: {proc.stderr.strip()[:200]}")
+    return lines[0].strip()
+
+
+def cache_path(
+    name: str, inputs: Sequence[Path], args: Sequence[str], compiler: str, identity: str, salt: str
 ) -> Path:
-    """`<cache_dir>/<name>-<hash>.so` built from `sources` with `compiler *args`, compiling only if absent;
-    `headers` (included by the sources) are part of the hash."""
+    """`<cache_dir>/<name>-<hash>.so`, the hash over the input files' contents, the compiler command, its
+    identity, its arguments and `salt`."""
     digest = hashlib.sha256()
     for part in [
-        *(p.read_bytes() for p in (*sources, *headers)),
+        *(p.read_bytes() for p in inputs),
         compiler.encode(),
+        identity.encode(),
         *(a.encode() for a in args),
         salt.encode(),
     ]:
         digest.update(hashlib.sha256(part).digest())
-    target = cache_dir() / f"{name}-{digest.hexdigest()[:16]}.so"
+    return cache_dir() / f"{name}-{digest.hexdigest()[:16]}.so"
+
+
+def compile_cached(compiler: str, sources: Sequence[Path], args: Sequence[str], target: Path) -> Path:
+    """`target` (a `cache_path`), compiled from `sources` with `compiler *args` unless it exists."""
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -147,6 +226,10 @@ def compile_cached(
             raise OSError(f"{compiler} exited with {proc.returncode}: {' | '.join(errors[:3])}")
         os.replace(out, target)
     return target
+
+
+def _library_args(isa: str) -> list[str]:
+    return [*KERNEL_FLAGS, *ISA_FLAGS[isa], *_torch_flags()]
 
 
 def _torch_flags() -> list[str]:

@@ -1,8 +1,9 @@
-"""Fused dequantize + matmul CPU kernels (AVX2 + FMA, OpenMP) for skinny activations: y = x @ W.T + bias.
+"""The CPU runtime's kernels (AVX2 + FMA, OpenMP): fused dequantize + matmul for skinny activations
+(y = x @ W.T + bias), a decoder layer's dense part, the greedy lm_head, paged attention and add + RMSNorm.
 
-The kernels are compiled on first use and registered as `torch.ops.llmpipe_quant.*` (see build.py). Callers
-check `kernels_available()` and otherwise use the pure-PyTorch path (dequantize + matmul);
-`kernels_unavailable_reason()` says why the kernels are off.
+They are one library of `torch.ops.llmpipe_quant.*` ops, built by the engine stage or else on first use (see
+build.py). Callers check `kernels_available()` and otherwise use the pure-PyTorch path (dequantize + matmul,
+SDPA, F.rms_norm); `kernels_unavailable_reason()` says why the kernels are off.
 
 Every gemm_* takes x as fp32 CPU [M, K] (rows may be strided, columns dense) and weight tensors laid out as in
 `pipeline.runtime.quant.primitives`, contiguous, on CPU, with fp32 scales / zeros / bias; it returns a new fp32
@@ -20,13 +21,22 @@ import torch
 
 from pipeline.runtime.kernels.build import BF16_CPU_FLAG, cpu_flags, load_library
 
-_OP_NAMES = ("gemm_f32", "gemm_int8", "gemm_int4", "dequant_int8", "dequant_int4", "greedy_argmax")
+_OP_NAMES = (
+    "gemm_f32",
+    "gemm_int8",
+    "gemm_int4",
+    "dequant_int8",
+    "dequant_int4",
+    "greedy_argmax",
+    "paged_attention",
+    "add_rms_norm",
+)
 
 
 @functools.cache
 def _load() -> tuple[dict[str, Any], str]:
-    reason = load_library()
-    if reason:
+    library, reason = load_library()
+    if library is None:
         return {}, reason
     # The `.default` overloads skip overload resolution on every call (~2 us each).
     return {name: getattr(torch.ops.llmpipe_quant, name).default for name in _OP_NAMES}, ""
@@ -35,7 +45,7 @@ def _load() -> tuple[dict[str, Any], str]:
 def _op(name: str) -> Any:
     ops, reason = _load()
     if not ops:
-        raise RuntimeError(f"quantized CPU kernels are unavailable: {reason}")
+        raise RuntimeError(f"the CPU kernels are unavailable: {reason}")
     return ops[name]
 
 
@@ -124,3 +134,52 @@ def greedy_argmax(
     ||x||_1, how far token v's int8 logit and its computed fp32 logit can each be from the true one. The exact
     logits are gemm_f32's, bit for bit."""
     return _op("greedy_argmax")(x, qweight, scales, weight, error_per_l1)
+
+
+def paged_attention(
+    qkv: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scales: torch.Tensor | None,
+    v_scales: torch.Tensor | None,
+    cos_sin: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    block_tables: torch.Tensor,
+    token_seq: torch.Tensor,
+    num_heads: int,
+    block_size: int,
+    window: int,
+    max_context: int,
+    scale: float,
+) -> torch.Tensor:
+    """One layer's RoPE (on the query and key heads of qkv [T, (H + 2 KV) D], in place), K/V cache write and
+    causal attention over the paged cache -> [T, H D]. The caches are [num_blocks * block_size, KV, D] fp32,
+    bf16 or int8 (the int8 one with fp32 k_scales/v_scales [num_blocks * block_size, KV]); the rest is an
+    `AttentionMetadata`'s (positions, slots int64 [T]; block_tables [S, max_blocks], token_seq [T] int32) and
+    the RoPE table cos_sin [max_positions, D]. window 0 = none; scale multiplies q . k."""
+    return _op("paged_attention")(
+        qkv,
+        k_cache,
+        v_cache,
+        k_scales,
+        v_scales,
+        cos_sin,
+        positions,
+        slots,
+        block_tables,
+        token_seq,
+        num_heads,
+        block_size,
+        window,
+        max_context,
+        scale,
+    )
+
+
+def add_rms_norm(
+    hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """hidden [T, H] += delta [T, H] (in place, when given), then RMSNorm(hidden) * weight [H] into a new
+    tensor, in HF's order of operations; contiguous fp32."""
+    return _op("add_rms_norm")(hidden, delta, weight, eps)

@@ -1,5 +1,5 @@
-"""Building blocks of the Llama-family forward: dense linear, RoPE tables, and paged attention (the C
-kernel on CPU, a torch implementation elsewhere)."""
+"""Building blocks of the Llama-family forward: dense linear, RoPE tables, and paged attention (the
+compiled kernel on CPU, a torch implementation elsewhere)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from pipeline.errors import UnsupportedModelError
 from pipeline.runtime.engine_config import ROPE_TYPES, ModelConfig, rope_type
-from pipeline.runtime.kernels.cpu_ops import AddRMSNormKernel, PagedAttentionKernel
+from pipeline.runtime.kernels import ops as kernels
 from pipeline.runtime.quant.linear import bf16_linear, fp32_linear
 from pipeline.runtime.worker.attn_metadata import AttentionMetadata
 from pipeline.runtime.worker.kv_cache import KVCache
@@ -47,18 +47,19 @@ class DenseLinear:
 
 
 class ResidualRMSNorm:
-    """hidden += delta (when given), then RMSNorm(hidden) * weight: the C kernel on CPU/fp32, else torch."""
+    """hidden += delta (when given), then RMSNorm(hidden) * weight: the compiled kernel when `use_kernel`
+    (CPU, fp32), else torch."""
 
-    def __init__(self, kernel: AddRMSNormKernel | None, hidden_size: int, eps: float) -> None:
-        self.kernel = kernel
+    def __init__(self, use_kernel: bool, hidden_size: int, eps: float) -> None:
+        self.use_kernel = use_kernel
         self.shape = (hidden_size,)
         self.eps = eps
 
     def __call__(
         self, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor
     ) -> torch.Tensor:
-        if self.kernel is not None and (delta is None or delta.is_contiguous()):
-            return self.kernel(hidden, delta, weight, self.eps)
+        if self.use_kernel and (delta is None or delta.is_contiguous()):
+            return kernels.add_rms_norm(hidden, delta, weight, self.eps)
         if delta is not None:
             hidden.add_(delta)
         return F.rms_norm(hidden, self.shape, weight, self.eps)
@@ -115,25 +116,18 @@ class Attention(Protocol):
 
 
 class KernelAttention:
-    """The C kernel (CPU, fp32 compute, fp32 or int8 cache): rotates q/k in place inside qkv, writes K/V,
-    attends through block tables."""
+    """The compiled kernel (CPU, fp32 compute, fp32, bf16 or int8 cache): rotates q/k in place inside qkv,
+    writes K/V, attends through block tables."""
 
-    def __init__(
-        self, kernel: PagedAttentionKernel, kv_cache: KVCache, config: ModelConfig, cos_sin: torch.Tensor
-    ):
-        self.kernel = kernel
+    def __init__(self, kv_cache: KVCache, config: ModelConfig, cos_sin: torch.Tensor):
         self.kv_cache = kv_cache
         self.config = config
         self.cos_sin = cos_sin  # [max_positions, D]
         self._step_args: tuple[Any, ...] = ()
-        self._cache_bf16 = int(kv_cache.storage.dtype == torch.bfloat16)
-        # Per layer: the K, V, K-scale and V-scale addresses (scales None unless int8); the cache never moves.
-        self._layer_ptrs = [
-            (k.data_ptr(), v.data_ptr(), _ptr(k_scale), _ptr(v_scale))
-            for k, v, k_scale, v_scale in zip(
-                kv_cache.k, kv_cache.v, kv_cache.k_scales, kv_cache.v_scales, strict=True
-            )
-        ]
+        # Per layer: K, V, K scales, V scales (scales None unless int8).
+        self._layer_args = list(
+            zip(kv_cache.k, kv_cache.v, kv_cache.k_scales, kv_cache.v_scales, strict=True)
+        )
 
     @staticmethod
     def supports(config: ModelConfig) -> bool:
@@ -142,31 +136,20 @@ class KernelAttention:
     def begin_step(self, meta: AttentionMetadata) -> None:
         c = self.config
         self._step_args = (
-            self.cos_sin.data_ptr(),
-            meta.positions.data_ptr(),
-            meta.slot_mapping.data_ptr(),
-            meta.block_tables.data_ptr(),
-            meta.block_tables.shape[1],
-            meta.token_seq.data_ptr(),
-            meta.num_tokens,
+            self.cos_sin,
+            meta.positions,
+            meta.slot_mapping,
+            meta.block_tables,
+            meta.token_seq,
             c.num_attention_heads,
-            c.num_key_value_heads,
-            c.head_dim,
             self.kv_cache.block_size,
             c.sliding_window or 0,
             meta.max_context_len,
             c.head_dim**-0.5,
-            self._cache_bf16,
         )
 
     def __call__(self, layer: int, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        out = torch.empty(meta.num_tokens, self.config.num_attention_heads * self.config.head_dim)
-        self.kernel(qkv.data_ptr(), qkv.stride(0), *self._layer_ptrs[layer], out.data_ptr(), self._step_args)
-        return out
-
-
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
+        return kernels.paged_attention(qkv, *self._layer_args[layer], *self._step_args)
 
 
 class TorchAttention:

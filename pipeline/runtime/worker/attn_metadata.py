@@ -48,7 +48,7 @@ def build_attention_metadata(
     num_blocks: int | None = None,
 ) -> AttentionMetadata:
     """Metadata for `chunks` in order; `num_blocks` (the cache size) turns on a bounds check of the
-    block tables, which the C kernel does not check."""
+    block tables, which the attention kernel does not check."""
     positions: list[int] = []
     slots: list[int] = []
     token_seq: list[int] = []

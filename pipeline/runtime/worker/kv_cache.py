@@ -86,7 +86,7 @@ class KVCache:
         self.block_size = block_size
         layers = config.num_hidden_layers
         # NOTE: `zero` is needed by attention that reads whole blocks (padding included) and masks
-        # afterwards: uninitialised memory could hold NaN, and 0 * NaN = NaN. The C kernel reads only
+        # afterwards: uninitialised memory could hold NaN, and 0 * NaN = NaN. The attention kernel reads only
         # written slots, so it skips the page-touching fill and memory is committed as blocks are used.
         allocate = torch.zeros if zero else torch.empty
         shape = (layers, 2, num_blocks * block_size, config.num_key_value_heads, config.head_dim)

@@ -4,8 +4,8 @@ is stored as D int8 values plus one fp32 scale, value ~= q * scale, with
     scale = max(max|x| / 127, FLT_MIN)   over the head's D values
     q     = clamp(round_half_even(x / scale), -127, 127)
 
-These torch functions are the format's definition for the torch attention path and the tests; the C kernel
-(model/kernels/paged_attention.c) computes the same in C, bit for bit from the same input floats.
+These torch functions are the format's definition for the torch attention path and the tests; the attention
+kernel (runtime/kernels/csrc/paged_attention.cpp) computes the same in C++, bit for bit from the same input floats.
 
 NOTE: why dynamic per-token-per-head scales rather than TensorRT-LLM's static scales calibrated offline
 (`kv_cache_scaling_factor` in the checkpoint), measured on SmolLM2-135M-Instruct with K/V quantized and

@@ -15,7 +15,7 @@ import torch
 from pipeline.errors import ConfigError
 from pipeline.runtime.core.outputs import RunnerOutput, SchedulerOutput
 from pipeline.runtime.engine_config import EngineConfig, load_engine_config
-from pipeline.runtime.kernels.cpu_ops import PagedAttentionKernel, load_add_rms_norm, load_paged_attention
+from pipeline.runtime.kernels import ops as kernels
 from pipeline.runtime.model.greedy_head import GreedyLMHead
 from pipeline.runtime.model.layers import (
     Attention,
@@ -60,7 +60,7 @@ class ModelRunner:
     Compute dtype: the model's dtype on CUDA. On CPU fp32, except that a bfloat16 engine keeps its decoder
     layers' linear weights in bf16 and feeds them bf16-rounded activations (fp32 accumulation; twice the
     fp32 FMA rate where the CPU has AVX512_BF16); norms, attention, the KV cache and the head stay fp32. `num_threads` sets torch's (process-wide) thread count.
-    `attention`: "kernel" = the C paged-attention kernel (CPU, fp32), "torch" = the portable torch path,
+    `attention`: "kernel" = the compiled paged-attention kernel (CPU, fp32), "torch" = the portable torch path,
     "auto" = the kernel when it applies and builds. The KV cache is int8 when the engine's
     kv_cache_quant_algo is INT8 (both attention paths read and write it). The runner keeps no per-request
     state (sampling randomness is keyed by seed and position), so `finished_request_ids` needs no handling.
@@ -111,18 +111,18 @@ class ModelRunner:
             int8=self.kv_int8,
         )
         self.max_positions = min(model_cfg.max_position_embeddings, build.max_seq_len + build.max_draft_len)
-        kernel = self._pick_kernel(attention)
+        use_kernel = self._use_kernel(attention)
         self.kv_cache = KVCache(
             model_cfg,
             self.num_kv_blocks,
             self.tokens_per_block,
             kv_dtype,
             self.device,
-            zero=kernel is None,
+            zero=not use_kernel,
             int8=self.kv_int8,
         )
-        self.attention_backend = "kernel" if kernel is not None else "torch"
-        self.model = self._assemble(weights, kernel)
+        self.attention_backend = "kernel" if use_kernel else "torch"
+        self.model = self._assemble(weights, use_kernel)
         self.sampler = Sampler(seed)
         logger.info(
             "model runner: %s on %s (%s, layer weights %s), %d KV blocks of %d tokens (%s, %.2f GiB), "
@@ -142,33 +142,34 @@ class ModelRunner:
     def from_engine_dir(cls, engine_dir: str | Path, **kwargs: object) -> ModelRunner:
         return cls(load_engine_config(engine_dir), **kwargs)  # type: ignore[arg-type]
 
-    def _pick_kernel(self, attention: AttentionChoice) -> PagedAttentionKernel | None:
+    def _use_kernel(self, attention: AttentionChoice) -> bool:
         if attention not in ("auto", "kernel", "torch"):
             raise ConfigError(f"attention={attention!r} is invalid: choose auto, kernel or torch")
         if attention == "torch":
-            return None
-        usable = (
+            return False
+        if not (
             self.device.type == "cpu"
             and self.dtype == torch.float32
             and KernelAttention.supports(self.config.model)
-        )
-        kernel = load_paged_attention() if usable else None
-        if kernel is None and attention == "kernel":
-            raise ConfigError(
-                "attention=kernel is unavailable here (needs CPU, fp32, head_dim % 8 == 0 and a C compiler)"
-            )
-        return kernel
+        ):
+            why = "it needs CPU, fp32 and a head_dim that is a multiple of 8 up to 256"
+        elif kernels.kernels_available():
+            return True
+        else:
+            why = kernels.kernels_unavailable_reason()
+        if attention == "kernel":
+            raise ConfigError(f"attention=kernel is unavailable here: {why}")
+        return False
 
-    def _assemble(self, weights: LlamaWeights, kernel: PagedAttentionKernel | None) -> LlamaModel:
+    def _assemble(self, weights: LlamaWeights, use_kernel: bool) -> LlamaModel:
         model_cfg = self.config.model
         cos_sin = rotary_cos_sin(model_cfg, self.max_positions).to(self.device)
         attention: Attention = (
-            KernelAttention(kernel, self.kv_cache, model_cfg, cos_sin)
-            if kernel is not None
+            KernelAttention(self.kv_cache, model_cfg, cos_sin)
+            if use_kernel
             else TorchAttention(self.kv_cache, model_cfg, cos_sin)
         )
-        norm_kernel = load_add_rms_norm() if kernel is not None else None
-        norm = ResidualRMSNorm(norm_kernel, model_cfg.hidden_size, model_cfg.norm_epsilon)
+        norm = ResidualRMSNorm(use_kernel, model_cfg.hidden_size, model_cfg.norm_epsilon)
         lm_head = weights.lm_head
         greedy_head = (
             GreedyLMHead(lm_head.weight)
@@ -288,7 +289,7 @@ class ModelRunner:
             sliding_window=self.config.model.sliding_window,
             num_blocks=self.num_kv_blocks,
         )
-        # The C kernel indexes the RoPE table and the cache without bounds checks.
+        # The attention kernel indexes the RoPE table and the cache without checking each position.
         if meta.max_context_len > self.max_positions:
             raise ValueError(
                 f"position {meta.max_context_len - 1} is beyond the engine's {self.max_positions}"

@@ -1,5 +1,5 @@
-// Torch custom ops (namespace llmpipe_quant) over the AVX2 kernels in qgemv.cpp, decoder.cpp and
-// greedy_head.cpp.
+// Torch custom ops (namespace llmpipe_quant) over the AVX2 kernels in qgemv.cpp, decoder.cpp, greedy_head.cpp,
+// paged_attention.cpp and rms_norm.cpp.
 //
 // Why ops and not ctypes: a dispatcher call that allocates its output in C++ costs ~4 us, a ctypes call plus a
 // Python-side torch.empty ~13 us, and a decode step makes ~120 of these calls on small matrices.
@@ -16,6 +16,8 @@
 #include "decoder.h"
 #include "gemm_blocks.h"
 #include "greedy_head.h"
+#include "paged_attention.h"
+#include "rms_norm.h"
 
 extern "C" {
 void llmp_gemm_f32(const float* x, int64_t M, int64_t K, int64_t ldx, const float* w, const float* bias,
@@ -289,6 +291,83 @@ at::Tensor greedy_argmax(const at::Tensor& x_in, const at::Tensor& qweight, cons
   return out;
 }
 
+// One layer's RoPE, K/V cache write and paged attention (layouts: paged_attention.cpp). The cache's dtype picks
+// its format; an int8 cache comes with its scales. The position, slot and block-table values are the caller's
+// to keep in range (checked once per step, not per layer).
+at::Tensor paged_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const std::optional<at::Tensor>& k_scales, const std::optional<at::Tensor>& v_scales,
+                           const at::Tensor& cos_sin, const at::Tensor& positions, const at::Tensor& slots,
+                           const at::Tensor& block_tables, const at::Tensor& token_seq, int64_t H,
+                           int64_t block_size, int64_t window, int64_t max_context, double scale) {
+  TORCH_CHECK(k_cache.dim() == 3, "k_cache: expected [slots, KV, D], got ", k_cache.sizes());
+  const int64_t rows = k_cache.size(0), KV = k_cache.size(1), D = k_cache.size(2);
+  const at::ScalarType cache_dtype = k_cache.scalar_type();
+  llmp::CacheKind kind = llmp::kCacheF32;
+  if (cache_dtype == at::kChar) {
+    kind = llmp::kCacheInt8;
+  } else if (cache_dtype == at::kBFloat16) {
+    kind = llmp::kCacheBF16;
+  } else {
+    TORCH_CHECK(cache_dtype == at::kFloat, "k_cache: expected float32, bfloat16 or int8, got ", cache_dtype);
+  }
+  expect(k_cache, cache_dtype, {rows, KV, D}, "k_cache");
+  expect(v_cache, cache_dtype, {rows, KV, D}, "v_cache");
+  TORCH_CHECK(D % 8 == 0 && D <= 256, "paged_attention: head_dim must be a multiple of 8 up to 256, got ", D);
+  TORCH_CHECK(KV > 0 && H > 0 && H % KV == 0, "paged_attention: ", H, " query heads do not share ", KV,
+              " kv heads evenly");
+  TORCH_CHECK(block_size > 0 && rows % block_size == 0, "paged_attention: ", rows,
+              " cache rows are not whole blocks of ", block_size);
+  float* scale_ptrs[2] = {nullptr, nullptr};
+  if (kind == llmp::kCacheInt8) {
+    TORCH_CHECK(k_scales && v_scales, "paged_attention: an int8 cache needs k_scales and v_scales");
+    expect(*k_scales, at::kFloat, {rows, KV}, "k_scales");
+    expect(*v_scales, at::kFloat, {rows, KV}, "v_scales");
+    scale_ptrs[0] = k_scales->data_ptr<float>();
+    scale_ptrs[1] = v_scales->data_ptr<float>();
+  } else {
+    TORCH_CHECK(!k_scales && !v_scales, "paged_attention: k_scales and v_scales are for an int8 cache only");
+  }
+  const int64_t width = (H + 2 * KV) * D;
+  TORCH_CHECK(qkv.device().is_cpu() && qkv.scalar_type() == at::kFloat && qkv.dim() == 2 && qkv.size(1) == width &&
+                  qkv.stride(1) == 1 && qkv.stride(0) >= width,
+              "qkv: expected a CPU float32 tensor of shape [T, ", width, "] with dense rows, got ", qkv.scalar_type(),
+              " ", qkv.sizes(), " strides ", qkv.strides(), " on ", qkv.device());
+  const int64_t T = qkv.size(0);
+  expect(positions, at::kLong, {T}, "positions");
+  expect(slots, at::kLong, {T}, "slots");
+  expect(token_seq, at::kInt, {T}, "token_seq");
+  TORCH_CHECK(block_tables.dim() == 2, "block_tables: expected [S, max_blocks], got ", block_tables.sizes());
+  expect(block_tables, at::kInt, {block_tables.size(0), block_tables.size(1)}, "block_tables");
+  TORCH_CHECK(cos_sin.dim() == 2, "cos_sin: expected [max_positions, D], got ", cos_sin.sizes());
+  expect(cos_sin, at::kFloat, {cos_sin.size(0), D}, "cos_sin");
+  TORCH_CHECK(T == 0 || (max_context > 0 && max_context <= cos_sin.size(0) &&
+                         max_context <= block_tables.size(1) * block_size),
+              "paged_attention: max_context ", max_context, " is beyond the RoPE table (", cos_sin.size(0),
+              " positions) or the block tables (", block_tables.size(1), " blocks of ", block_size, ")");
+  at::Tensor out = at::empty({T, H * D}, qkv.options());
+  const int rc = llmp::paged_attention(
+      qkv.data_ptr<float>(), qkv.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), scale_ptrs[0], scale_ptrs[1], kind,
+      out.mutable_data_ptr<float>(), cos_sin.const_data_ptr<float>(), positions.const_data_ptr<int64_t>(),
+      slots.const_data_ptr<int64_t>(), block_tables.const_data_ptr<int32_t>(), block_tables.size(1),
+      token_seq.const_data_ptr<int32_t>(), T, H, KV, D, block_size, window, max_context, static_cast<float>(scale));
+  TORCH_CHECK(rc == 0, "paged_attention: out of memory for its score scratch");
+  return out;
+}
+
+// hidden [T, H] += delta (when given), then a new RMSNorm(hidden) * weight (rms_norm.h).
+at::Tensor add_rms_norm(const at::Tensor& hidden, const std::optional<at::Tensor>& delta, const at::Tensor& weight,
+                        double eps) {
+  TORCH_CHECK(hidden.dim() == 2, "hidden: expected [T, H], got ", hidden.sizes());
+  const int64_t T = hidden.size(0), H = hidden.size(1);
+  expect(hidden, at::kFloat, {T, H}, "hidden");
+  if (delta) expect(*delta, at::kFloat, {T, H}, "delta");
+  expect(weight, at::kFloat, {H}, "weight");
+  at::Tensor out = at::empty({T, H}, hidden.options());
+  llmp::add_rms_norm(hidden.data_ptr<float>(), delta ? delta->const_data_ptr<float>() : nullptr,
+                     weight.const_data_ptr<float>(), out.mutable_data_ptr<float>(), T, H, static_cast<float>(eps));
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(llmpipe_quant, m) {
@@ -302,6 +381,11 @@ TORCH_LIBRARY(llmpipe_quant, m) {
                        std::vector<int64_t>, double>())
       .def("run", &DecoderPlan::run);
   m.def("greedy_argmax(Tensor x, Tensor qweight, Tensor scales, Tensor weight, Tensor error_per_l1) -> Tensor");
+  m.def(
+      "paged_attention(Tensor(a!) qkv, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor(d!)? k_scales, "
+      "Tensor(e!)? v_scales, Tensor cos_sin, Tensor positions, Tensor slots, Tensor block_tables, Tensor token_seq, "
+      "int num_heads, int block_size, int window, int max_context, float scale) -> Tensor");
+  m.def("add_rms_norm(Tensor(a!) hidden, Tensor? delta, Tensor weight, float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llmpipe_quant, CPU, m) {
@@ -311,4 +395,6 @@ TORCH_LIBRARY_IMPL(llmpipe_quant, CPU, m) {
   m.impl("dequant_int8", dequant_int8);
   m.impl("dequant_int4", dequant_int4);
   m.impl("greedy_argmax", greedy_argmax);
+  m.impl("paged_attention", paged_attention);
+  m.impl("add_rms_norm", add_rms_norm);
 }

@@ -1,15 +1,15 @@
 // Paged attention for the CPU runtime: RoPE, KV-cache writes and causal attention over the paged cache for
 // a flattened batch of tokens (prefill chunks and decode tokens mixed), in one call per layer.
 //
-// Built by pipeline/runtime/kernels/cpu_ops.py (gcc -O3 -fopenmp, -mavx2 -mfma where the CPU has them)
-// and called through ctypes on raw pointers. All tensors are row-major and fp32 unless said otherwise:
+// Called by the llmpipe_quant.paged_attention op (torch_ops.cpp), which checks the tensors' dtypes, shapes and
+// contiguity. All tensors are row-major and fp32 unless said otherwise:
 //   qkv       [T, qkv_stride]: per token H query heads, then KV key heads, then KV value heads, each D wide;
 //             the query and key heads are rotated in place.
 //   cos_sin   [max_positions, D]: cos(pos * inv_freq) in the first D/2 columns, sin in the last D/2.
 //   positions [T] int64, slots [T] int64 (cache row of each token: block * block_size + offset).
-//   k_cache, v_cache [num_blocks * block_size, KV, D]: fp32; int8 when k_scales/v_scales are given; bf16
-//             (uint16 bit patterns, written rounded to nearest even like torch's .bfloat16()) when cache_bf16.
-//   k_scales, v_scales [num_blocks * block_size, KV] fp32, or NULL: the int8 cache's per-token, per-head
+//   k_cache, v_cache [num_blocks * block_size, KV, D]: fp32, int8 or bf16 (`kind`; bf16 as uint16 bit
+//             patterns, written rounded to nearest even like torch's .bfloat16()).
+//   k_scales, v_scales [num_blocks * block_size, KV] fp32 for an int8 cache, else null: its per-token, per-head
 //             scales (symmetric: value = q * scale, scale = max|x| / 127 over the head's D values, never
 //             below FLT_MIN; q = round-half-even(x / scale)). runtime/kv_quant.py is the same format in torch.
 //   block_tables [num_seqs, bt_stride] int32, token_seq [T] int32 (which block table a token uses).
@@ -17,62 +17,48 @@
 // Token t attends to positions max(0, pos - window + 1) .. pos of its sequence (window 0 = no window);
 // query head h reads key/value head h / (H / KV), as in HF's repeat_kv.
 //
-// NOTE: written with GCC vector extensions (8 floats) instead of intrinsics so it builds on any GCC
-// target (AVX2 intrinsics only where GCC's vectors fall short, see widen8); D must be a multiple of 8 (the
-// Python side checks and otherwise uses the torch path). int8 cache values are widened to floats on read;
+// NOTE: written with GCC vector extensions (8 floats), AVX2 intrinsics only where GCC's vectors fall short
+// (see widen8); D must be a multiple of 8 (the Python side checks and otherwise uses the torch path). Block
+// tables, slots and positions are not bounds-checked here: the runner checks them once per step, not once per
+// layer. int8 cache values are widened to floats on read;
 // their scales are applied once per key (to its score) and once per value (to its softmax weight), never
 // per element. bf16 cache values widen to floats exactly.
 // Threads: OpenMP over (token, kv head). libgomp has the soname torch already loaded, so these parallel
 // regions reuse torch's thread team rather than adding a second set of spinning threads.
+#include "paged_attention.h"
+
 #include <float.h>
-#include <stdint.h>
+#include <immintrin.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
 
-typedef float v8f __attribute__((vector_size(32)));
-typedef float v8f_u __attribute__((vector_size(32), aligned(4)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-typedef int8_t v8c_u __attribute__((vector_size(8), aligned(1)));
-typedef uint16_t v8h_u __attribute__((vector_size(16), aligned(2)));
+#include "vec8.h"
 
-// What a cache element is (the `kind` argument below).
-enum { CACHE_F32 = 0, CACHE_INT8 = 1, CACHE_BF16 = 2 };
+namespace llmp {
+namespace {
 
-#define NEG_BIG (-3.0e38f)
+using namespace vec8;
 
-static inline v8f load8(const float* p) { return *(const v8f_u*)p; }
-static inline void store8(float* p, v8f v) { *(v8f_u*)p = v; }
-static inline v8f splat8(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
-static inline float hsum8(v8f v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
+constexpr float kNegBig = -3.0e38f;
+
 // 8 int8 values as floats. NOTE: GCC 12 lowers __builtin_convertvector from 8 x int8 to 8 scalar
-// conversions, so AVX2 targets spell out the two-instruction widening.
-static inline v8f widen8(const int8_t* p) {
-#ifdef __AVX2__
+// conversions, so this spells out the two-instruction widening.
+inline v8f widen8(const int8_t* p) {
   return (v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
-#else
-  return __builtin_convertvector(*(const v8c_u*)p, v8f);
-#endif
 }
 // 8 bf16 values as floats: the bits go to the top half of each float.
-static inline v8f widen8_bf16(const uint16_t* p) {
-#ifdef __AVX2__
+inline v8f widen8_bf16(const uint16_t* p) {
   return (v8f)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16);
-#else
-  return (v8f)(__builtin_convertvector(*(const v8h_u*)p, v8i) << 16);
-#endif
 }
 // 8 cache values from element index i of a cache of `kind`, as floats (int8: not yet scaled).
-static inline v8f load_cache8(const void* cache, int64_t i, const int kind) {
-  if (kind == CACHE_INT8) return widen8((const int8_t*)cache + i);
-  if (kind == CACHE_BF16) return widen8_bf16((const uint16_t*)cache + i);
+inline v8f load_cache8(const void* cache, int64_t i, const CacheKind kind) {
+  if (kind == kCacheInt8) return widen8((const int8_t*)cache + i);
+  if (kind == kCacheBF16) return widen8_bf16((const uint16_t*)cache + i);
   return load8((const float*)cache + i);
 }
 
 // One head's D values into the bf16 cache, rounded to nearest even (finite values; RoPE'd K and V are).
-static void store_head_bf16(const float* x, int64_t D, uint16_t* out) {
+void store_head_bf16(const float* x, int64_t D, uint16_t* out) {
   for (int64_t i = 0; i < D; ++i) {
     uint32_t b;
     memcpy(&b, x + i, sizeof b);
@@ -83,7 +69,7 @@ static void store_head_bf16(const float* x, int64_t D, uint16_t* out) {
 // e^x for x <= 0 (softmax after subtracting the max): Cody-Waite range reduction x = n ln2 + r, a degree-6
 // polynomial for e^r (Cephes expf coefficients, ~1 ulp), then 2^n through the exponent bits.
 // Inputs below -87 give 0 (e^-87 is below float's normal range).
-static inline v8f exp8_nonpositive(v8f x) {
+inline v8f exp8_nonpositive(v8f x) {
   const v8i keep = x > splat8(-87.0f);
   x = (v8f)((v8i)x & keep);  // clamp the dropped lanes to 0 so the arithmetic below stays finite
   // convertvector truncates toward zero, so for y = x log2(e) <= 0, trunc(y - 0.5) = ceil(y - 0.5): the
@@ -103,7 +89,7 @@ static inline v8f exp8_nonpositive(v8f x) {
 }
 
 // One head's D values into int8 q and its scale (the format described at the top).
-static void quantize_head(const float* x, int64_t D, int8_t* q, float* scale) {
+void quantize_head(const float* x, int64_t D, int8_t* q, float* scale) {
   float amax = 0.0f;
   for (int64_t i = 0; i < D; ++i) {
     const float a = x[i] < 0 ? -x[i] : x[i];
@@ -117,7 +103,7 @@ static void quantize_head(const float* x, int64_t D, int8_t* q, float* scale) {
   *scale = s;
 }
 
-static void rope_row(float* x, const float* cos_sin, int64_t half) {
+void rope_row(float* x, const float* cos_sin, int64_t half) {
   const float* c = cos_sin;
   const float* s = cos_sin + half;
   for (int64_t i = 0; i < half; ++i) {
@@ -129,26 +115,26 @@ static void rope_row(float* x, const float* cos_sin, int64_t half) {
 
 // Attention of one query head (q [D]) over positions lo .. lo + n - 1 of a sequence whose cache rows come
 // from `table`; kv head g of KV. scores: scratch of n rounded up to 8 floats. kind: the cache's element type
-// (CACHE_INT8: with k_scales/v_scales).
+// (kCacheInt8: with k_scales/v_scales).
 // NOTE: always_inline + the literal D and kind of the callers below let GCC keep q and the output
 // accumulator in registers and drop the branches of the other cache type; four keys per iteration give the
 // FMA chains independent work.
-static inline __attribute__((always_inline)) void attend_head(
+inline __attribute__((always_inline)) void attend_head(
     const float* q, const int64_t D, const void* k_cache, const void* v_cache, const float* k_scales,
-    const float* v_scales, const int kind, int64_t KV, int64_t g, const int32_t* table, int64_t block_size,
+    const float* v_scales, const CacheKind kind, int64_t KV, int64_t g, const int32_t* table, int64_t block_size,
     int64_t lo, int64_t n, float scale, float* scores, float* out) {
   const int64_t row_stride = KV * D;
-  const int quant = kind == CACHE_INT8;
+  const bool quant = kind == kCacheInt8;
   v8f qv[D / 8];
   for (int64_t d = 0; d < D / 8; ++d) qv[d] = load8(q + 8 * d);
-  float row_max = NEG_BIG;
+  float row_max = kNegBig;
   for (int64_t j = 0; j < n;) {
     const int64_t pos = lo + j;
     const int64_t offset = pos % block_size;
     const int64_t run = (block_size - offset < n - j) ? block_size - offset : n - j;
     const int64_t head = ((int64_t)table[pos / block_size] * block_size + offset) * KV + g;  // (row, g)
     int64_t k = head * D;  // element index of the key row in the cache
-    const float* ks = quant ? k_scales + head : NULL;
+    const float* ks = quant ? k_scales + head : nullptr;
     int64_t r = 0;
     for (; r + 4 <= run; r += 4, k += 4 * row_stride) {
       v8f a0 = splat8(0.0f), a1 = a0, a2 = a0, a3 = a0;
@@ -174,7 +160,7 @@ static inline __attribute__((always_inline)) void attend_head(
     j += run;
   }
   const int64_t n_pad = (n + 7) & ~(int64_t)7;
-  for (int64_t j = n; j < n_pad; ++j) scores[j] = NEG_BIG;
+  for (int64_t j = n; j < n_pad; ++j) scores[j] = kNegBig;
   v8f sum = splat8(0.0f);
   const v8f m = splat8(row_max);
   for (int64_t j = 0; j < n_pad; j += 8) {
@@ -200,17 +186,17 @@ static inline __attribute__((always_inline)) void attend_head(
   for (int64_t d = 0; d < D / 8; ++d) store8(out + 8 * d, acc[d] * inv);
 }
 
-static void attend_head_any(const float* q, int64_t D, const void* k_cache, const void* v_cache,
-                            const float* k_scales, const float* v_scales, int kind, int64_t KV, int64_t g,
+void attend_head_any(const float* q, int64_t D, const void* k_cache, const void* v_cache, const float* k_scales,
+                     const float* v_scales, CacheKind kind, int64_t KV, int64_t g,
                             const int32_t* table, int64_t block_size, int64_t lo, int64_t n, float scale,
                             float* scores, float* out) {
 #define ATTEND(DIM, KIND) \
   attend_head(q, DIM, k_cache, v_cache, k_scales, v_scales, KIND, KV, g, table, block_size, lo, n, scale, scores, out)
 #define ATTEND_KINDS(DIM)                          \
   switch (kind) {                                  \
-    case CACHE_INT8: ATTEND(DIM, CACHE_INT8); break; \
-    case CACHE_BF16: ATTEND(DIM, CACHE_BF16); break; \
-    default: ATTEND(DIM, CACHE_F32);               \
+    case kCacheInt8: ATTEND(DIM, kCacheInt8); break; \
+    case kCacheBF16: ATTEND(DIM, kCacheBF16); break; \
+    default: ATTEND(DIM, kCacheF32);               \
   }
   switch (D) {
     case 64:
@@ -226,16 +212,13 @@ static void attend_head_any(const float* q, int64_t D, const void* k_cache, cons
 #undef ATTEND
 }
 
-// Per-layer arguments first, then the ones shared by every layer of a step.
-int llmpipe_paged_attention(float* qkv, int64_t qkv_stride, void* k_cache, void* v_cache, float* k_scales,
-                            float* v_scales, float* out,
-                            const float* cos_sin, const int64_t* positions, const int64_t* slots,
-                            const int32_t* block_tables, int64_t bt_stride, const int32_t* token_seq, int64_t T,
-                            int64_t H, int64_t KV, int64_t D, int64_t block_size, int64_t window,
-                            int64_t max_context, float scale, int64_t cache_bf16) {
+}  // namespace
+
+int paged_attention(float* qkv, int64_t qkv_stride, void* k_cache, void* v_cache, float* k_scales, float* v_scales,
+                    CacheKind kind, float* out, const float* cos_sin, const int64_t* positions, const int64_t* slots,
+                    const int32_t* block_tables, int64_t bt_stride, const int32_t* token_seq, int64_t T, int64_t H,
+                    int64_t KV, int64_t D, int64_t block_size, int64_t window, int64_t max_context, float scale) {
   const int64_t G = H / KV;
-  const int kind = k_scales != NULL ? CACHE_INT8 : (cache_bf16 ? CACHE_BF16 : CACHE_F32);
-  if (D % 8 != 0 || D > 256 || H % KV != 0) return 1;
   // RoPE on query and key heads, then the new keys and values into their cache rows.
 #pragma omp parallel for if (T >= 32)
   for (int64_t t = 0; t < T; ++t) {
@@ -243,12 +226,12 @@ int llmpipe_paged_attention(float* qkv, int64_t qkv_stride, void* k_cache, void*
     const float* cs = cos_sin + positions[t] * D;
     for (int64_t h = 0; h < H + KV; ++h) rope_row(row + h * D, cs, D / 2);
     const int64_t slot = slots[t];
-    if (kind == CACHE_INT8) {
+    if (kind == kCacheInt8) {
       for (int64_t g = 0; g < KV; ++g) {
         quantize_head(row + (H + g) * D, D, (int8_t*)k_cache + (slot * KV + g) * D, k_scales + slot * KV + g);
         quantize_head(row + (H + KV + g) * D, D, (int8_t*)v_cache + (slot * KV + g) * D, v_scales + slot * KV + g);
       }
-    } else if (kind == CACHE_BF16) {
+    } else if (kind == kCacheBF16) {
       store_head_bf16(row + H * D, KV * D, (uint16_t*)k_cache + slot * KV * D);
       store_head_bf16(row + (H + KV) * D, KV * D, (uint16_t*)v_cache + slot * KV * D);
     } else {
@@ -261,7 +244,7 @@ int llmpipe_paged_attention(float* qkv, int64_t qkv_stride, void* k_cache, void*
 #pragma omp parallel
   {
     float* scores = (float*)malloc(sizeof(float) * n_pad_max);
-    if (scores == NULL) {
+    if (scores == nullptr) {
 #pragma omp atomic write
       failed = 2;
     }
@@ -271,7 +254,7 @@ int llmpipe_paged_attention(float* qkv, int64_t qkv_stride, void* k_cache, void*
     // 150 tokens, caches cold: -6 % per step); with few tokens, one item at a time keeps both threads busy.
 #pragma omp for schedule(dynamic, T >= 8 ? KV : 1)
     for (int64_t item = 0; item < T * KV; ++item) {
-      if (scores == NULL) continue;
+      if (scores == nullptr) continue;
       const int64_t t = item / KV, g = item % KV;
       const int64_t pos = positions[t];
       const int64_t lo = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
@@ -284,3 +267,5 @@ int llmpipe_paged_attention(float* qkv, int64_t qkv_stride, void* k_cache, void*
   }
   return failed;
 }
+
+}  // namespace llmp
