@@ -164,7 +164,9 @@ def test_quantize_fp8_with_fp8_kv_cache(trtllm: Any, hf_dir: Path, tmp_path: Pat
 
 def test_int8_kv_cache_calibrates_on_the_users_samples(trtllm: Any, hf_dir: Path, tmp_path: Path) -> None:
     samples = tmp_path / "calib.jsonl"
-    samples.write_text('{"text": "first sample"}\n"second sample"\n')
+    samples.write_text(
+        '{"text": "first sample"}\n{"messages": [{"role": "user", "content": "second sample"}]}\n'
+    )
     cfg = make_cfg(quantization={"kv_cache_dtype": "int8", "calibration": {"dataset": str(samples)}})
     quantize(cfg, tmp_path, tmp_path / "q", hf_dir=hf_dir)
     (call,) = calls(trtllm, "LLaMAForCausalLM.quantize")

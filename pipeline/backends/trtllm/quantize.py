@@ -19,7 +19,7 @@ from pipeline.backends.trtllm.api import check_unified_checkpoint, load_api, mod
 from pipeline.backends.trtllm.versions import CALIBRATED_MODES
 from pipeline.config.build_config import BuildConfig
 from pipeline.errors import ConfigError, MissingArtifactError
-from pipeline.util.files import read_jsonl
+from pipeline.quantize.calibration import load_records
 
 # What `calibration.dataset: builtin` means on this path: TensorRT-LLM's own default calibration set,
 # fetched from the Hugging Face Hub by ModelOpt on the GPU host.
@@ -33,10 +33,11 @@ def needs_calibration(cfg: BuildConfig) -> bool:
     return q.mode in CALIBRATED_MODES or q.kv_cache_dtype != "auto"
 
 
-def _read_texts(path: Path) -> list[str]:
-    if path.suffix == ".jsonl":
-        return [str(record["text"]) for _, record in read_jsonl(path)]
-    return [block.strip() for block in path.read_text(encoding="utf-8").split("\n\n") if block.strip()]
+def _texts(dataset: str) -> list[str]:
+    """The calibration file's samples in the forms both backends read (quantize.calibration); a chat
+    record becomes its messages' contents, since ModelOpt calibrates on plain text."""
+    records = load_records(dataset)
+    return [r if isinstance(r, str) else "\n".join(m["content"] for m in r) for r in records]
 
 
 def calibration_dataset(cfg: BuildConfig, scratch: Path) -> str:
@@ -50,9 +51,7 @@ def calibration_dataset(cfg: BuildConfig, scratch: Path) -> str:
         return str(path)
     if not path.is_file():
         raise MissingArtifactError(f"quantization.calibration.dataset={source}: no such file or folder")
-    texts = _read_texts(path)
-    if not texts:
-        raise ConfigError(f"quantization.calibration.dataset={source} holds no text samples")
+    texts = _texts(source)
     folder = scratch / "calibration"
     folder.mkdir(parents=True)
     with (folder / "train.jsonl").open("w", encoding="utf-8") as handle:
