@@ -25,6 +25,7 @@ import torch  # noqa: E402
 
 from pipeline.bench.decode import decode_speed, random_prompts  # noqa: E402
 from pipeline.runtime.core.scheduler import SchedulerConfig  # noqa: E402
+from pipeline.runtime.engine.engine_args import RunnerArgs
 from pipeline.runtime.engine.llm_engine import LLMEngine  # noqa: E402
 from pipeline.runtime.kernels.build import kernel_isa  # noqa: E402
 from pipeline.runtime.kernels.ops import kernels_available, kernels_unavailable_reason  # noqa: E402
@@ -89,7 +90,7 @@ def main() -> None:
 
     engine_dir = args.engine_dir or smollm2_engine_dir()
     runner = ModelRunner.from_engine_dir(
-        engine_dir, device="cpu", num_threads=args.threads, attention=args.attention
+        engine_dir, RunnerArgs(device="cpu", num_threads=args.threads, attention=args.attention)
     )
     build = runner.config.build
     config = SchedulerConfig(

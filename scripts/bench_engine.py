@@ -37,6 +37,7 @@ from pipeline.bench.metrics import summarize  # noqa: E402
 from pipeline.bench.peers.hf import HFPeer  # noqa: E402
 from pipeline.bench.workloads import LengthSpec, synthetic, tokenize  # noqa: E402
 from pipeline.errors import run_script  # noqa: E402
+from pipeline.runtime.engine.engine_args import EngineArgs, RunnerArgs  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     assert build.engine_dir is not None
     engine = InProcessTarget.from_engine_dir(
         build.engine_dir,
-        engine_overrides={"num_threads": args.threads} if args.threads else None,
+        engine_args=EngineArgs(runner=RunnerArgs(num_threads=args.threads)),
         end_id=tokenizer.eos_token_id,
         name=f"llmpipe-{build.precision}",
     )

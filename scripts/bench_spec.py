@@ -41,6 +41,7 @@ from pipeline.bench.spec_workloads import code_edit_prompt, code_snippets  # noq
 from pipeline.bench.workloads import chat_ids, shipped_prompts  # noqa: E402
 from pipeline.errors import run_script  # noqa: E402
 from pipeline.runtime.core.sampling_params import SamplingParams  # noqa: E402
+from pipeline.runtime.engine.engine_args import EngineArgs, RunnerArgs, SpeculationArgs  # noqa: E402
 from pipeline.runtime.engine.llm_engine import LLMEngine  # noqa: E402
 from pipeline.runtime.spec_decode.metrics import spec_decode_stats  # noqa: E402
 
@@ -230,18 +231,19 @@ def main(argv: list[str] | None = None) -> int:
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     cases = build_cases(tokenizer, workloads, args.prompts, args.max_tokens)
     # Two engines, each with its own KV cache (and weights): both hold a live request at once.
-    common = {"num_threads": args.threads, "kv_max_tokens": args.kv_tokens}
+    runner = RunnerArgs(num_threads=args.threads, kv_max_tokens=args.kv_tokens)
+    ngram = SpeculationArgs(
+        mode="ngram",
+        max_draft_len=args.max_draft_len,
+        ngram_min_match=args.min_match,
+        ngram_max_match=args.max_match,
+        adaptive=not args.no_adaptive,
+    )
     engines = {
-        "off": LLMEngine.from_engine_dir(build.engine_dir, speculative_mode="none", **common),
-        "on": LLMEngine.from_engine_dir(
-            build.engine_dir,
-            speculative_mode="ngram",
-            max_draft_len=args.max_draft_len,
-            ngram_min_match=args.min_match,
-            ngram_max_match=args.max_match,
-            speculative_adaptive=not args.no_adaptive,
-            **common,
+        "off": LLMEngine.from_engine_dir(
+            build.engine_dir, EngineArgs(runner=runner, speculation=SpeculationArgs(mode="none"))
         ),
+        "on": LLMEngine.from_engine_dir(build.engine_dir, EngineArgs(runner=runner, speculation=ngram)),
     }
     run_side_by_side(engines, build_cases(tokenizer, ["chat"], 1, 8)[0], -1)  # warm-up
     load = load_1m()

@@ -17,6 +17,7 @@ from pipeline.bench.load import RunResult, Target, run_closed_loop, run_open_loo
 from pipeline.bench.peers import Peer
 from pipeline.bench.requests import BenchRequest
 from pipeline.errors import ConfigError
+from pipeline.runtime.engine.engine_args import SPECULATIVE_MODES, EngineArgs, SpeculationArgs
 
 # --compare names -> (peer family, precisions)
 PEER_FAMILIES: dict[str, tuple[str, ...]] = {
@@ -239,40 +240,41 @@ class OursSpec:
     workload: str | None = None  # the workload's name, for the measurement keys of a speculation sweep
 
 
-SPECULATION_MODES = ("none", "ngram", "draft_model")
-
-
-def speculative_overrides(cfg: Any, mode: str) -> dict[str, Any]:
-    """LLMEngine.from_engine_dir keywords that run `mode` with the config's speculative settings,
-    whatever the engine was built with."""
+def speculation_args(cfg: Any, mode: str) -> SpeculationArgs:
+    """The speculation that runs `mode` with the config's speculative settings, whatever the engine was
+    built with."""
     from pipeline.bench.builds import stage_output
     from pipeline.config.workdir import draft_engine_dir
 
-    if mode not in SPECULATION_MODES:
+    if mode not in SPECULATIVE_MODES:
         raise ConfigError(
             f"speculative mode {mode!r} cannot run in-process",
-            hint=f"choose from {', '.join(SPECULATION_MODES)} (lookahead/medusa/eagle are TensorRT-LLM modes)",
+            hint=f"choose from {', '.join(SPECULATIVE_MODES)} (lookahead/medusa/eagle are TensorRT-LLM modes)",
         )
     if mode == "none":
-        return {"speculative_mode": "none"}
+        return SpeculationArgs(mode="none")
     spec = cfg.speculative
-    overrides: dict[str, Any] = {
-        "speculative_mode": mode,
-        "max_draft_len": spec.max_draft_len,
-        "speculative_adaptive": spec.adaptive,
-    }
     if mode == "ngram":
-        overrides.update(ngram_min_match=spec.ngram.min_match, ngram_max_match=spec.ngram.max_match)
-    else:
-        if not spec.draft_config:
-            raise ConfigError(
-                "speculative mode draft_model needs speculative.draft_config (the draft engine's build config)",
-                hint="--set speculative.draft_config=build_configs/<draft>.yaml",
-            )
-        # A finished engine stage (its manifest), not just a config.json: stage_output checks that.
-        draft, _ = draft_engine_dir(cfg, require_built=False)
-        overrides["draft_engine_dir"] = stage_output(draft, "engine")
-    return overrides
+        return SpeculationArgs(
+            mode="ngram",
+            max_draft_len=spec.max_draft_len,
+            adaptive=spec.adaptive,
+            ngram_min_match=spec.ngram.min_match,
+            ngram_max_match=spec.ngram.max_match,
+        )
+    if not spec.draft_config:
+        raise ConfigError(
+            "speculative mode draft_model needs speculative.draft_config (the draft engine's build config)",
+            hint="--set speculative.draft_config=build_configs/<draft>.yaml",
+        )
+    # A finished engine stage (its manifest), not just a config.json: stage_output checks that.
+    draft, _ = draft_engine_dir(cfg, require_built=False)
+    return SpeculationArgs(
+        mode="draft_model",
+        max_draft_len=spec.max_draft_len,
+        adaptive=spec.adaptive,
+        draft_engine_dir=stage_output(draft, "engine"),
+    )
 
 
 def run_llmpipe(
@@ -297,7 +299,7 @@ def run_llmpipe(
             )
             engine = InProcessTarget.from_engine_dir(
                 stage_output(spec.cfg, "engine"),
-                engine_overrides=speculative_overrides(spec.cfg, mode),
+                engine_args=EngineArgs(speculation=speculation_args(spec.cfg, mode)),
                 name=f"{label}-{mode}" if spec.speculation else label,
                 end_id=spec.end_id,
                 min_tokens_equal_max=spec.min_tokens_equal_max,

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config.limits import length_limit_errors
-from pipeline.config.vocab import SCHEDULER_POLICIES
+from pipeline.config.vocab import SCHEDULER_POLICIES, SchedulerPolicy
 from pipeline.errors import ConfigError, MissingArtifactError, UnsupportedModelError
 
 CONFIG_FILE = "config.json"
@@ -113,7 +113,7 @@ class RuntimeDefaults:
     kv_free_memory_fraction: float = 0.2
     enable_block_reuse: bool = False
     enable_chunked_context: bool = False
-    scheduler_policy: str = "guaranteed_no_evict"
+    scheduler_policy: SchedulerPolicy = "guaranteed_no_evict"
 
 
 @dataclass(frozen=True)

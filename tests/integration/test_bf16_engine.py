@@ -16,6 +16,7 @@ from pipeline.backends.torch.checkpoint import convert
 from pipeline.config.build_config import build_config_from_dict
 from pipeline.runtime.core.sampling_params import SamplingParams
 from pipeline.runtime.core.scheduler import SchedulerConfig
+from pipeline.runtime.engine.engine_args import RunnerArgs
 from pipeline.runtime.engine.llm_engine import LLMEngine
 from pipeline.runtime.kernels import ops as kernels
 from pipeline.runtime.worker.model_runner import ModelRunner
@@ -39,7 +40,7 @@ def bf16_runner(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
     )
     convert(cfg, tiny_llama_dir, out / "checkpoint")
     build(cfg, out / "checkpoint", out / "engine")
-    return ModelRunner.from_engine_dir(out / "engine", device="cpu")
+    return ModelRunner.from_engine_dir(out / "engine", RunnerArgs(device="cpu"))
 
 
 def rounded_hf_model(hf_dir: Path) -> torch.nn.Module:

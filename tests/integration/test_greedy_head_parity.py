@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipeline.runtime.engine.engine_args import RunnerArgs
 from pipeline.runtime.model.greedy_head import GreedyLMHead
 from pipeline.runtime.worker.model_runner import ModelRunner
 from tests.integration.test_parity import assert_matches, make_engine_dir, mixed_case, run_engine
@@ -31,7 +32,7 @@ class RowCountingHead:
 
 def test_16_concurrent_through_the_greedy_head(tiny_llama_dir: Path, tmp_path: Path) -> None:
     runner = ModelRunner.from_engine_dir(
-        make_engine_dir(tiny_llama_dir, tmp_path), device="cpu", kv_max_tokens=16384
+        make_engine_dir(tiny_llama_dir, tmp_path), RunnerArgs(device="cpu", kv_max_tokens=16384)
     )
     if runner.model.greedy_head is None or runner.model.fused is None:
         pytest.skip("the kernels are unavailable here")

@@ -24,6 +24,7 @@ from pipeline.errors import ConfigError
 from pipeline.quantize.run import quantize
 from pipeline.runtime.core.sampling_params import SamplingParams
 from pipeline.runtime.core.scheduler import SchedulerConfig
+from pipeline.runtime.engine.engine_args import RunnerArgs
 from pipeline.runtime.engine.llm_engine import LLMEngine
 from pipeline.runtime.engine_config import model_config_from_dict
 from pipeline.runtime.kernels import ops as kernels
@@ -166,7 +167,7 @@ def test_int8_weights_and_int8_kv_combine(
         "quantization"
     ]
     assert (quantization["quant_algo"], quantization["kv_cache_quant_algo"]) == ("W8A16", "INT8")
-    runner = ModelRunner.from_engine_dir(tmp_path / "engine", device="cpu", kv_max_tokens=1024)
+    runner = ModelRunner.from_engine_dir(tmp_path / "engine", RunnerArgs(device="cpu", kv_max_tokens=1024))
     assert runner.kv_cache.int8 and type(runner.model.weights.layers[0].qkv).__name__ == "QuantLinear"
     (tokens,) = _text_windows(tiny_llama_dir, 1, 400)  # scored's first window: the same seeded draw
     fp32 = scored["fp32"][0]
@@ -215,10 +216,10 @@ def scored(engines: dict[str, Path], tiny_llama_dir: Path, hf: Any) -> dict[str,
     and from HF with and without quantized K/V."""
     windows = _text_windows(tiny_llama_dir, 6, 400)
     runners = {
-        "fp32": ModelRunner.from_engine_dir(engines["fp32"], device="cpu", kv_max_tokens=1024),
-        "int8": ModelRunner.from_engine_dir(engines["int8"], device="cpu", kv_max_tokens=1024),
+        "fp32": ModelRunner.from_engine_dir(engines["fp32"], RunnerArgs(device="cpu", kv_max_tokens=1024)),
+        "int8": ModelRunner.from_engine_dir(engines["int8"], RunnerArgs(device="cpu", kv_max_tokens=1024)),
         "int8_torch": ModelRunner.from_engine_dir(
-            engines["int8"], device="cpu", kv_max_tokens=1024, attention="torch"
+            engines["int8"], RunnerArgs(device="cpu", kv_max_tokens=1024, attention="torch")
         ),
     }
     assert runners["int8"].kv_cache.int8 and runners["int8_torch"].kv_cache.int8
@@ -278,7 +279,7 @@ def test_int8_engine_generates_what_hf_generates_with_int8_kv(engines: dict[str,
                 do_sample=False,
             )
             reference.append(out[0, len(prompt) :].tolist())
-    runner = ModelRunner.from_engine_dir(engines["int8"], device="cpu", kv_max_tokens=16384)
+    runner = ModelRunner.from_engine_dir(engines["int8"], RunnerArgs(device="cpu", kv_max_tokens=16384))
     build_cfg = runner.config.build
     engine = LLMEngine(
         runner,
@@ -301,7 +302,9 @@ def test_int8_cache_holds_about_4x_the_blocks(
     scale per token and head instead of D fp32 values."""
     monkeypatch.setattr("pipeline.runtime.worker.kv_cache.available_memory_bytes", lambda device: 2**27)
     runners = {
-        name: ModelRunner.from_engine_dir(engines[name], device="cpu", kv_free_memory_fraction=0.01)
+        name: ModelRunner.from_engine_dir(
+            engines[name], RunnerArgs(device="cpu", kv_free_memory_fraction=0.01)
+        )
         for name in ("fp32", "int8")
     }
     model, d = runners["int8"].config.model, runners["int8"].config.model.head_dim

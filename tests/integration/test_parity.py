@@ -20,6 +20,7 @@ from pipeline.runtime.core.outputs import ScheduledRequest, SchedulerOutput
 from pipeline.runtime.core.request import Request
 from pipeline.runtime.core.sampling_params import SamplingParams
 from pipeline.runtime.core.scheduler import SchedulerConfig
+from pipeline.runtime.engine.engine_args import RunnerArgs
 from pipeline.runtime.engine.llm_engine import LLMEngine
 from pipeline.runtime.engine_config import model_config_from_dict
 from pipeline.runtime.kernels import ops as kernels
@@ -140,7 +141,7 @@ def mixed(model: tuple[Path, Path, int, int]) -> Case:
 
 @pytest.fixture(scope="module")
 def runner(model: tuple[Path, Path, int, int]) -> ModelRunner:
-    return ModelRunner.from_engine_dir(model[1], device="cpu", kv_max_tokens=16384)
+    return ModelRunner.from_engine_dir(model[1], RunnerArgs(device="cpu", kv_max_tokens=16384))
 
 
 @pytest.mark.parametrize("logprobs", [True, False], ids=["logprobs", "greedy-head"])
@@ -177,7 +178,9 @@ def test_16_concurrent(
 
 
 def test_torch_attention_path(model: tuple[Path, Path, int, int], mixed: Case) -> None:
-    runner = ModelRunner.from_engine_dir(model[1], device="cpu", kv_max_tokens=16384, attention="torch")
+    runner = ModelRunner.from_engine_dir(
+        model[1], RunnerArgs(device="cpu", kv_max_tokens=16384, attention="torch")
+    )
     assert runner.attention_backend == "torch"
     assert_matches(
         run_engine(runner, mixed, model[3], max_num_tokens=128, enable_chunked_context=True), mixed
@@ -194,7 +197,7 @@ def test_block_reuse(model: tuple[Path, Path, int, int], runner: ModelRunner) ->
 
 def test_forced_preemption(model: tuple[Path, Path, int, int], mixed: Case) -> None:
     # 160 blocks of 8 tokens: far less than 16 concurrent sequences of up to ~440 tokens need.
-    small = ModelRunner.from_engine_dir(model[1], device="cpu", kv_max_tokens=1280)
+    small = ModelRunner.from_engine_dir(model[1], RunnerArgs(device="cpu", kv_max_tokens=1280))
     requests = run_engine(small, mixed, model[3], policy="max_utilization", enable_chunked_context=True)
     assert sum(r.stats.num_preemptions for r in requests) > 0, "the KV cache was not small enough to preempt"
     assert_matches(requests, mixed)
@@ -203,7 +206,7 @@ def test_forced_preemption(model: tuple[Path, Path, int, int], mixed: Case) -> N
 @pytest.mark.slow
 def test_smollm2_parity(smollm2_hf_dir: Path, tmp_path: Path) -> None:
     engine_dir = make_engine_dir(smollm2_hf_dir, tmp_path, tokens_per_block=32)
-    runner = ModelRunner.from_engine_dir(engine_dir, device="cpu", kv_max_tokens=32768)
+    runner = ModelRunner.from_engine_dir(engine_dir, RunnerArgs(device="cpu", kv_max_tokens=32768))
     config = AutoModelForCausalLM.from_pretrained(smollm2_hf_dir).config
     rng = random.Random(3)
     prompts = [
@@ -266,7 +269,7 @@ def test_mistral_sliding_window(tmp_path_factory: pytest.TempPathFactory) -> Non
     config = json.loads(config_path.read_text())
     config_path.write_text(json.dumps({**config, "sliding_window": 24}))
     engine_dir = make_engine_dir(hf_dir, tmp_path_factory.mktemp("engine-mistral"))
-    runner = ModelRunner.from_engine_dir(engine_dir, device="cpu", kv_max_tokens=16384)
+    runner = ModelRunner.from_engine_dir(engine_dir, RunnerArgs(device="cpu", kv_max_tokens=16384))
     rng = random.Random(4)
     prompts = [[rng.randrange(10, config["vocab_size"]) for _ in range(n)] for n in (3, 40, 90, 200)]
     case = Case(prompts, [30] * 4, *hf_greedy(hf_dir, prompts, [30] * 4))

@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from pipeline.runtime.engine.engine_args import EngineArgs, RunnerArgs
 from pipeline.runtime.engine.llm_engine import LLMEngine
 from pipeline.runtime.worker.model_runner import ModelRunner
 from pipeline.validate.engine_side import EngineTarget
@@ -48,7 +49,7 @@ def test_score_equals_hf_logits_across_chunks(
     engine_dir: Path, sequence_and_reference: tuple[list[int], torch.Tensor], attention: str
 ) -> None:
     tokens, reference = sequence_and_reference
-    runner = ModelRunner.from_engine_dir(engine_dir, device="cpu", attention=attention)
+    runner = ModelRunner.from_engine_dir(engine_dir, RunnerArgs(device="cpu", attention=attention))
     assert runner.config.build.max_num_tokens < len(tokens)
     # shuffled blocks: the runner must follow the table it is given, not assume 0, 1, 2, ...
     table = random.Random(1).sample(range(runner.num_kv_blocks), -(-len(tokens) // runner.tokens_per_block))
@@ -58,7 +59,7 @@ def test_score_equals_hf_logits_across_chunks(
 
 
 def test_score_refuses_a_table_too_small(engine_dir: Path) -> None:
-    runner = ModelRunner.from_engine_dir(engine_dir, device="cpu")
+    runner = ModelRunner.from_engine_dir(engine_dir, RunnerArgs(device="cpu"))
     with pytest.raises(ValueError, match="block table of 2 blocks cannot hold 17 tokens"):
         runner.score(list(range(10, 27)), [0, 1])
     with pytest.raises(ValueError, match="at least one token"):
@@ -69,7 +70,7 @@ def test_engine_target_scores_with_blocks_from_the_block_manager(
     engine_dir: Path, sequence_and_reference: tuple[list[int], torch.Tensor]
 ) -> None:
     tokens, reference = sequence_and_reference
-    engine = LLMEngine.from_engine_dir(engine_dir, device="cpu")
+    engine = LLMEngine.from_engine_dir(engine_dir, EngineArgs(runner=RunnerArgs(device="cpu")))
     block_manager = engine.scheduler.block_manager
     target = EngineTarget(engine)
     logits = target.score(tokens)

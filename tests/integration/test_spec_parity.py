@@ -22,6 +22,7 @@ from pipeline.errors import MissingArtifactError
 from pipeline.runtime.core.request import Request
 from pipeline.runtime.core.sampling_params import SamplingParams
 from pipeline.runtime.core.scheduler import SchedulerConfig
+from pipeline.runtime.engine.engine_args import EngineArgs, RunnerArgs, SpeculationArgs
 from pipeline.runtime.engine.llm_engine import LLMEngine
 from pipeline.runtime.spec_decode.draft_model import DraftModelProposer
 from pipeline.runtime.spec_decode.proposer import NgramProposer, Proposer
@@ -66,7 +67,7 @@ def perturbed_copy(hf_dir: Path, out: Path, noise: float) -> Path:
 
 
 def draft_proposer(engine_dir: Path, max_draft_len: int = 4, seed: int | None = None) -> DraftModelProposer:
-    runner = ModelRunner.from_engine_dir(engine_dir, device="cpu", kv_max_tokens=16384, seed=seed)
+    runner = ModelRunner.from_engine_dir(engine_dir, RunnerArgs(device="cpu", kv_max_tokens=16384, seed=seed))
     return DraftModelProposer(runner, max_draft_len, max_positions=runner.max_positions)
 
 
@@ -82,7 +83,7 @@ def engines(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> d
 
 @pytest.fixture(scope="module")
 def runner(engines: dict[str, Path]) -> ModelRunner:
-    return ModelRunner.from_engine_dir(engines["target"], device="cpu", kv_max_tokens=16384)
+    return ModelRunner.from_engine_dir(engines["target"], RunnerArgs(device="cpu", kv_max_tokens=16384))
 
 
 PROPOSERS: dict[str, Callable[[dict[str, Path]], Proposer]] = {
@@ -166,7 +167,7 @@ def test_greedy_single_requests_with_logprobs(
 def test_chunked_context_and_preemption(engines: dict[str, Path], greedy_case: Any) -> None:
     prompts, params, baseline = greedy_case
     # 160 blocks of 8 tokens: far less than 16 sequences of up to ~460 tokens need.
-    small = ModelRunner.from_engine_dir(engines["target"], device="cpu", kv_max_tokens=1280)
+    small = ModelRunner.from_engine_dir(engines["target"], RunnerArgs(device="cpu", kv_max_tokens=1280))
     for proposer in (NgramProposer(4), draft_proposer(engines["noisy"])):
         requests, engine = generate(
             small,
@@ -226,7 +227,9 @@ def test_unseeded_sampling_keeps_the_target_distribution(
     # sampled tokens then occur in the prompt, so prompt lookup drafts, and about half of its drafts pass.
     prompt = [1133, 1885, 38, 201, 1483, 1730, 1710, 1798, 226, 497, 289, 968, 483, 1596, 1681, 64, 21, 1303]
     expected = expected_joint(tiny_llama_dir, prompt)
-    runner = ModelRunner.from_engine_dir(engines["target"], device="cpu", kv_max_tokens=16384, seed=1234)
+    runner = ModelRunner.from_engine_dir(
+        engines["target"], RunnerArgs(device="cpu", kv_max_tokens=16384, seed=1234)
+    )
     proposer = PROPOSERS[name](engines)
     engine = LLMEngine(runner, SchedulerConfig(**LIMITS), proposer)
     num_samples = 1600
@@ -256,7 +259,8 @@ def test_build_config_reaches_the_engine(
         "adaptive": False,
     }
     engine = LLMEngine.from_engine_dir(
-        build_engine(tiny_llama_dir, tmp_path / "ngram", speculative=ngram), device="cpu", kv_max_tokens=4096
+        build_engine(tiny_llama_dir, tmp_path / "ngram", speculative=ngram),
+        EngineArgs(runner=RunnerArgs(device="cpu", kv_max_tokens=4096)),
     )
     proposer = engine.proposer
     assert isinstance(proposer, NgramProposer)
@@ -272,10 +276,17 @@ def test_build_config_reaches_the_engine(
         build_engine(tiny_llama_dir, tmp_path / "target", speculative=spec)
     build_engine(tiny_llama_dir, tmp_path / "build" / "draft")  # where draft.yaml's engine lands
     target_dir = build_engine(tiny_llama_dir, tmp_path / "target", speculative=spec)
-    engine = LLMEngine.from_engine_dir(target_dir, device="cpu", kv_max_tokens=4096)
+    engine = LLMEngine.from_engine_dir(
+        target_dir, EngineArgs(runner=RunnerArgs(device="cpu", kv_max_tokens=4096))
+    )
     assert isinstance(engine.proposer, DraftModelProposer)
     assert engine.proposer.draft_len.max_draft_len == 2
-    plain = LLMEngine.from_engine_dir(target_dir, device="cpu", kv_max_tokens=4096, speculative_mode="none")
+    plain = LLMEngine.from_engine_dir(
+        target_dir,
+        EngineArgs(
+            runner=RunnerArgs(device="cpu", kv_max_tokens=4096), speculation=SpeculationArgs(mode="none")
+        ),
+    )
     assert plain.proposer is None
     prompts = [[5, 6, 7, 8] * 5, [100, 200]]
     params = SamplingParams(max_tokens=24, temperature=0.0)
@@ -292,7 +303,7 @@ def test_smollm2_greedy_equal_without_speculation(smollm2_hf_dir: Path, tmp_path
     from transformers import AutoTokenizer
 
     engine_dir = build_engine(smollm2_hf_dir, tmp_path / "smollm2", tokens_per_block=32)
-    runner = ModelRunner.from_engine_dir(engine_dir, device="cpu", kv_max_tokens=32768)
+    runner = ModelRunner.from_engine_dir(engine_dir, RunnerArgs(device="cpu", kv_max_tokens=32768))
     tokenizer = AutoTokenizer.from_pretrained(smollm2_hf_dir)
     code = "def add(a, b):\n    return a + b\n\n\ndef mul(a, b):\n    return a * b\n"
     texts = [

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from pipeline.runtime.core.sampling_params import SamplingParams
+from pipeline.runtime.engine.engine_args import EngineArgs, SpeculationArgs
 from pipeline.runtime.engine.llm_engine import LLMEngine
 from pipeline.runtime.spec_decode.metrics import spec_decode_stats
 from pipeline.serving.repository.render import render_model_repository
@@ -60,7 +61,7 @@ def engines(engine_dir: Path) -> dict[str, LLMEngine]:
     """The same engine in-process: as built (prompt lookup) and without speculation."""
     return {
         "spec": LLMEngine.from_engine_dir(engine_dir),
-        "plain": LLMEngine.from_engine_dir(engine_dir, speculative_mode="none"),
+        "plain": LLMEngine.from_engine_dir(engine_dir, EngineArgs(speculation=SpeculationArgs(mode="none"))),
     }
 
 

@@ -84,7 +84,7 @@ def test_in_process_run_writes_table_and_results(
 
     loaded: list[Path] = []
 
-    def fake_from_engine_dir(cls: type, engine_dir: Path, **overrides: object) -> LLMEngine:
+    def fake_from_engine_dir(cls: type, engine_dir: Path, args: object = None) -> LLMEngine:
         loaded.append(engine_dir)
         return make_engine(num_blocks=128, block_size=4)[0]
 

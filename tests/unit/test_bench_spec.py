@@ -20,6 +20,7 @@ from pipeline.bench.requests import BenchRequest
 from pipeline.bench.workloads import chat_ids, make_workload
 from pipeline.cli.main import main
 from pipeline.errors import ConfigError, MissingArtifactError
+from pipeline.runtime.engine.engine_args import EngineArgs, SpeculationArgs
 from tests.serving_helpers import build_tiny_engine, tiny_config
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -107,25 +108,21 @@ def test_copying_workloads_are_prompt_text_tokenized_through_the_chat_template(t
     assert all((r.prompt or "").startswith("Article: ") and r.output_tokens == 64 for r in summaries)
 
 
-def test_speculative_overrides_follow_the_config(tiny_llama_dir: Path, in_tmp_workdir: Path) -> None:
+def test_speculation_args_follow_the_config(tiny_llama_dir: Path, in_tmp_workdir: Path) -> None:
     spec = {"mode": "ngram", "max_draft_len": 6, "adaptive": False, "ngram": {"min_match": 2, "max_match": 4}}
     cfg = tiny_config(tiny_llama_dir, speculative=spec)
-    assert suite.speculative_overrides(cfg, "none") == {"speculative_mode": "none"}
-    assert suite.speculative_overrides(cfg, "ngram") == {
-        "speculative_mode": "ngram",
-        "max_draft_len": 6,
-        "speculative_adaptive": False,
-        "ngram_min_match": 2,
-        "ngram_max_match": 4,
-    }
+    assert suite.speculation_args(cfg, "none") == SpeculationArgs(mode="none")
+    assert suite.speculation_args(cfg, "ngram") == SpeculationArgs(
+        mode="ngram", max_draft_len=6, adaptive=False, ngram_min_match=2, ngram_max_match=4
+    )
     with pytest.raises(ConfigError, match="needs speculative.draft_config"):
-        suite.speculative_overrides(cfg, "draft_model")
+        suite.speculation_args(cfg, "draft_model")
     with pytest.raises(ConfigError, match="'lookahead' cannot run in-process"):
-        suite.speculative_overrides(cfg, "lookahead")
+        suite.speculation_args(cfg, "lookahead")
     (in_tmp_workdir / "draft.yaml").write_text(f"name: d\nsource: {{kind: local, path: {tiny_llama_dir}}}\n")
     drafted = tiny_config(tiny_llama_dir, speculative={**spec, "draft_config": "draft.yaml"})
     with pytest.raises(MissingArtifactError, match="no engine output at build/d/engine"):
-        suite.speculative_overrides(drafted, "draft_model")  # the draft was never built
+        suite.speculation_args(drafted, "draft_model")  # the draft was never built
 
 
 @pytest.fixture(scope="module")
@@ -138,14 +135,14 @@ def test_in_process_target_reports_the_engines_drafts(engine_dir: Path) -> None:
         BenchRequest(index=i, output_tokens=24, input_ids=tuple([5, 6, 7, 8] * (3 + i))) for i in range(3)
     ]
     cases = {
-        "none": {"speculative_mode": "none"},
-        "ngram": {"speculative_mode": "ngram", "max_draft_len": 4},
+        "none": SpeculationArgs(mode="none"),
+        "ngram": SpeculationArgs(mode="ngram", max_draft_len=4),
         # the tiny model as its own draft: greedy drafts are always accepted
-        "self-draft": {"speculative_mode": "draft_model", "max_draft_len": 3, "draft_engine_dir": engine_dir},
+        "self-draft": SpeculationArgs(mode="draft_model", max_draft_len=3, draft_engine_dir=engine_dir),
     }
     metrics = {}
-    for name, overrides in cases.items():
-        target = InProcessTarget.from_engine_dir(engine_dir, engine_overrides=overrides)
+    for name, speculation in cases.items():
+        target = InProcessTarget.from_engine_dir(engine_dir, engine_args=EngineArgs(speculation=speculation))
         try:
             result = run_closed_loop(target, requests, concurrency=2)
         finally:

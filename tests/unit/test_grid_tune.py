@@ -22,6 +22,7 @@ from pipeline.quantize.calibration import calibration_samples
 from pipeline.quantize.run import quantize
 from pipeline.quantize.tune.grid import SEQUENCE_LENGTH, tuning_text
 from pipeline.quantize.tune.trainable_grid import TunedGrid
+from pipeline.runtime.engine.engine_args import RunnerArgs
 from pipeline.runtime.quant import primitives
 from pipeline.runtime.worker.model_runner import ModelRunner
 from tests.serving_helpers import tiny_config
@@ -101,7 +102,7 @@ def kl_to_float32(hf_dir: Path, engine_dir: Path) -> float:
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         reference = torch.log_softmax(hf(torch.tensor([ids])).logits[0], -1)
-    runner = ModelRunner.from_engine_dir(engine_dir, device="cpu")
+    runner = ModelRunner.from_engine_dir(engine_dir, RunnerArgs(device="cpu"))
     logits = runner.score(ids, list(range(-(-len(ids) // runner.tokens_per_block))))
     engine = torch.log_softmax(logits.float(), -1)
     return float((reference.exp() * (reference - engine)).sum(-1).mean())

@@ -38,6 +38,7 @@ from pipeline.quantize.gptq_solver import (
 )
 from pipeline.quantize.run import LAYER_LINEARS, data_files, quantize
 from pipeline.runtime.core.sampling_params import SamplingParams
+from pipeline.runtime.engine.engine_args import RunnerArgs
 from pipeline.runtime.engine.llm_engine import LLMEngine
 from pipeline.runtime.quant import primitives
 from pipeline.runtime.quant.linear import QuantLinear
@@ -267,7 +268,7 @@ def test_int4_gptq_engine_runs_and_tracks_the_reference_closer_than_rtn(
         reference = hf(torch.tensor([ids])).logits[0]
 
     def logit_error(folder: Path) -> float:
-        runner = ModelRunner.from_engine_dir(folder, device="cpu")
+        runner = ModelRunner.from_engine_dir(folder, RunnerArgs(device="cpu"))
         logits = runner.score(ids, list(range(-(-len(ids) // runner.tokens_per_block))))
         return float(((logits - reference) ** 2).mean())
 

@@ -1,5 +1,6 @@
-"""The model runner's thread policy: one-row steps of a model with small layers run single-threaded, every
-other step on all threads, and the thread count is restored after each step."""
+"""The model runner's thread policy: one-row steps run on `single_row_threads` (given, or measured at load
+as the faster of one thread and all), every other step on all threads, and the thread count is restored
+after each step."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import pytest
 import torch
 
 from pipeline.runtime.core.sampling_params import SamplingParams
+from pipeline.runtime.engine.engine_args import EngineArgs, RunnerArgs
 from pipeline.runtime.engine.llm_engine import LLMEngine
-from pipeline.runtime.worker import model_runner
 from tests.serving_helpers import build_tiny_engine
 
 
@@ -26,16 +27,19 @@ def _threads_per_forward(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> 
         return forward(input_ids, *args, **kwargs)
 
     monkeypatch.setattr(model, "forward", spy)
+    params = SamplingParams(max_tokens=3)  # no end_id: exactly 3 tokens each
+    engine.generate([[5, 6, 7, 8, 9]], params)  # a 5-row prefill, then one-row decodes
+    engine.generate([[5, 6, 7], [10, 11, 12]], params)  # two rows per decode step
+    assert torch.get_num_threads() == 2
+    return seen
+
+
+@pytest.fixture
+def two_threads() -> Any:
     before = torch.get_num_threads()
     torch.set_num_threads(2)
-    try:
-        params = SamplingParams(max_tokens=3)  # no end_id: exactly 3 tokens each
-        engine.generate([[5, 6, 7, 8, 9]], params)  # a 5-row prefill, then one-row decodes
-        engine.generate([[5, 6, 7], [10, 11, 12]], params)  # two rows per decode step
-        assert torch.get_num_threads() == 2
-    finally:
-        torch.set_num_threads(before)
-    return seen
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -43,14 +47,31 @@ def engine_dir(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
     return build_tiny_engine(tiny_llama_dir, tmp_path_factory.mktemp("threads"))
 
 
-def test_small_layers_decode_one_row_on_one_thread(engine_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    engine = LLMEngine.from_engine_dir(engine_dir)
-    assert engine.runner.layer_weight_bytes < model_runner.SINGLE_THREAD_MAX_LAYER_BYTES  # type: ignore[attr-defined]
-    seen = _threads_per_forward(engine, monkeypatch)
+def _engine(engine_dir: Path, single_row_threads: int | None) -> LLMEngine:
+    args = EngineArgs(runner=RunnerArgs(device="cpu", single_row_threads=single_row_threads))
+    return LLMEngine.from_engine_dir(engine_dir, args)
+
+
+def test_one_row_steps_run_on_the_chosen_thread_count(
+    engine_dir: Path, two_threads: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen = _threads_per_forward(_engine(engine_dir, 1), monkeypatch)
     assert seen == [(5, 2), (1, 1), (1, 1), (6, 2), (2, 2), (2, 2)]
 
 
-def test_big_layers_keep_every_thread(engine_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    engine = LLMEngine.from_engine_dir(engine_dir)
-    monkeypatch.setattr(model_runner, "SINGLE_THREAD_MAX_LAYER_BYTES", engine.runner.layer_weight_bytes - 1)  # type: ignore[attr-defined]
-    assert all(threads == 2 for _, threads in _threads_per_forward(engine, monkeypatch))
+def test_all_threads_when_chosen(
+    engine_dir: Path, two_threads: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen = _threads_per_forward(_engine(engine_dir, 2), monkeypatch)
+    assert all(threads == 2 for _, threads in seen)
+
+
+def test_the_measured_choice_is_one_or_all_and_is_applied(
+    engine_dir: Path, two_threads: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = _engine(engine_dir, None)
+    chosen = engine.runner.single_row_threads  # type: ignore[attr-defined]
+    assert chosen in (1, 2)
+    assert torch.get_num_threads() == 2  # the measurement restored it
+    one_row = [threads for rows, threads in _threads_per_forward(engine, monkeypatch) if rows == 1]
+    assert one_row == [chosen, chosen]

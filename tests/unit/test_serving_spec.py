@@ -23,6 +23,7 @@ pb.install()
 
 from pipeline.errors import MissingArtifactError  # noqa: E402
 from pipeline.runtime.core.sampling_params import SamplingParams  # noqa: E402
+from pipeline.runtime.engine.engine_args import EngineArgs, SpeculationArgs  # noqa: E402
 from pipeline.runtime.engine.llm_engine import LLMEngine  # noqa: E402
 from pipeline.serving.repository.pbtxt import parse_model_config  # noqa: E402
 from pipeline.serving.repository.render import DRAFT_MODEL, render_model_repository  # noqa: E402
@@ -95,7 +96,9 @@ def _stats(response: dict[str, np.ndarray]) -> tuple[float, int, int]:
 def test_acceptance_outputs_come_with_the_tokens_of_plain_decoding(
     engine_model: TorchEngineModel, repo: Path
 ) -> None:
-    plain = LLMEngine.from_engine_dir(repo / "tensorrt_llm" / "1" / "engine", speculative_mode="none")
+    plain = LLMEngine.from_engine_dir(
+        repo / "tensorrt_llm" / "1" / "engine", EngineArgs(speculation=SpeculationArgs(mode="none"))
+    )
     expected = plain.generate([PROMPT], SamplingParams(max_tokens=40, temperature=0.0))[0].output_token_ids
     whole = _request(PROMPT, 40, return_perf_metrics=True, exclude_input_in_output=True)
     streamed = _request(PROMPT, 40, return_perf_metrics=True, streaming=True)

@@ -16,6 +16,7 @@ from pipeline.errors import ConfigError, UnsupportedModelError
 from pipeline.runtime.core.outputs import RunnerOutput, SchedulerOutput
 from pipeline.runtime.core.request import Request, RequestStatus
 from pipeline.runtime.core.sampling_params import SamplingParams
+from pipeline.runtime.engine.engine_args import SpeculationArgs
 from pipeline.runtime.engine.llm_engine import LLMEngine
 from pipeline.runtime.engine_config import engine_config_from_dict
 from pipeline.runtime.spec_decode import adaptive
@@ -348,9 +349,9 @@ def test_make_proposer_follows_the_build_and_its_overrides() -> None:
     assert isinstance(ngram, NgramProposer)
     assert (ngram.min_match, ngram.max_match, ngram.draft_len.max_draft_len) == (2, 5, 3)
     assert not ngram.draft_len.enabled
-    assert make_proposer(engine_config("ngram", 3), None, speculative_mode="none") is None
+    assert make_proposer(engine_config("ngram", 3), None, SpeculationArgs(mode="none")) is None
     forced: Proposer | None = make_proposer(
-        engine_config(None), None, speculative_mode="ngram", max_draft_len=2
+        engine_config(None), None, SpeculationArgs(mode="ngram", max_draft_len=2)
     )
     assert isinstance(forced, NgramProposer) and forced.draft_len.max_draft_len == 2
 
@@ -360,14 +361,13 @@ def test_make_proposer_follows_the_build_and_its_overrides() -> None:
     [
         ("ngram", {"max_draft_len": 0}, ConfigError, "max_draft_len=0"),
         ("ngram", {"ngram_min_match": 4}, ConfigError, "min_match=4 max_match=3"),
-        ("ngram", {"draft_len": 3}, ConfigError, "unknown speculative option"),
         ("draft_tokens_external", {}, ConfigError, "needs the draft engine directory"),
         ("medusa", {}, UnsupportedModelError, "'medusa' is not implemented"),
     ],
 )
 def test_make_proposer_errors(mode: str, options: dict[str, Any], error: type, match: str) -> None:
     with pytest.raises(error, match=match):
-        make_proposer(engine_config(mode, 4), None, **options)
+        make_proposer(engine_config(mode, 4), None, SpeculationArgs(**options))
 
 
 def test_engine_config_rejects_bad_ngram_sizes() -> None:

@@ -23,6 +23,7 @@ from pipeline.errors import BackendUnavailableError, ConfigError, MissingArtifac
 from pipeline.runtime.core.outputs import ScheduledRequest, SchedulerOutput
 from pipeline.runtime.core.request import Request
 from pipeline.runtime.core.sampling_params import SamplingParams
+from pipeline.runtime.engine.engine_args import RunnerArgs
 from pipeline.runtime.engine_config import load_engine_config, model_config_from_dict
 from pipeline.runtime.kernels import build as kernel_build
 from pipeline.runtime.model.layers import DenseLinear, rotary_cos_sin
@@ -230,7 +231,7 @@ def test_bf16_storage_is_computed_in_fp32_on_cpu(tiny_llama_dir: Path, tmp_path:
     build(cfg, tmp_path / "ckpt", tmp_path / "engine")
     with safe_open(tmp_path / "engine" / "rank0.safetensors", "pt") as f:
         assert f.get_tensor("lm_head.weight").dtype == torch.bfloat16
-    runner = ModelRunner.from_engine_dir(tmp_path / "engine", device="cpu", kv_max_tokens=512)
+    runner = ModelRunner.from_engine_dir(tmp_path / "engine", RunnerArgs(device="cpu", kv_max_tokens=512))
     assert runner.dtype == torch.float32 and runner.model.weights.embedding.dtype == torch.float32
 
 
@@ -287,8 +288,12 @@ def test_quantized_tensors_load_through_quant_linear(tiny_llama_dir: Path, tmp_p
     quant_cfg = make_cfg(tiny_llama_dir, quantization={"mode": "int8_wo"})
     build(cfg, tmp_path / "dense", tmp_path / "dense-engine")
     build(quant_cfg, tmp_path / "int8", tmp_path / "int8-engine")
-    dense = ModelRunner.from_engine_dir(tmp_path / "dense-engine", device="cpu", kv_max_tokens=512)
-    quantized = ModelRunner.from_engine_dir(tmp_path / "int8-engine", device="cpu", kv_max_tokens=512)
+    dense = ModelRunner.from_engine_dir(
+        tmp_path / "dense-engine", RunnerArgs(device="cpu", kv_max_tokens=512)
+    )
+    quantized = ModelRunner.from_engine_dir(
+        tmp_path / "int8-engine", RunnerArgs(device="cpu", kv_max_tokens=512)
+    )
     assert isinstance(quantized.model.weights.layers[0].qkv, QuantLinear)
     assert isinstance(quantized.model.weights.layers[1].qkv, DenseLinear)
     prompt = list(range(20, 60))
@@ -313,7 +318,7 @@ def test_unknown_quant_algo_fails_at_load(tiny_llama_dir: Path, tmp_path: Path) 
     data["pretrained_config"]["quantization"]["quant_algo"] = "FP8"
     (tmp_path / "engine" / "config.json").write_text(json.dumps(data))
     with pytest.raises(UnsupportedModelError, match="FP8"):
-        ModelRunner.from_engine_dir(tmp_path / "engine", device="cpu", kv_max_tokens=512)
+        ModelRunner.from_engine_dir(tmp_path / "engine", RunnerArgs(device="cpu", kv_max_tokens=512))
 
 
 def test_fp8_kv_cache_is_refused_at_load(tiny_llama_dir: Path, tmp_path: Path) -> None:
@@ -325,4 +330,4 @@ def test_fp8_kv_cache_is_refused_at_load(tiny_llama_dir: Path, tmp_path: Path) -
     data["pretrained_config"]["quantization"]["kv_cache_quant_algo"] = "FP8"
     path.write_text(json.dumps(data))
     with pytest.raises(UnsupportedModelError, match="kv_cache_quant_algo=FP8"):
-        ModelRunner.from_engine_dir(tmp_path / "engine", device="cpu", kv_max_tokens=512)
+        ModelRunner.from_engine_dir(tmp_path / "engine", RunnerArgs(device="cpu", kv_max_tokens=512))

@@ -11,6 +11,7 @@ from typing import Any
 from pipeline.bench.metrics import DraftCounts
 from pipeline.bench.requests import BenchRequest
 from pipeline.errors import ServingError
+from pipeline.runtime.engine.engine_args import EngineArgs
 
 
 class InProcessTarget:
@@ -26,7 +27,7 @@ class InProcessTarget:
         self.min_tokens_equal_max = min_tokens_equal_max
         self.end_id = end_id
         self._ids = itertools.count()
-        # the engine's own speculation (its build config, or speculative_* engine overrides)
+        # the engine's own speculation (its build config, or EngineArgs.speculation)
         self.speculates = engine_thread.engine.proposer is not None
 
     @classmethod
@@ -34,15 +35,14 @@ class InProcessTarget:
         cls,
         engine_dir: str | Path,
         max_pending: int = 256,
-        engine_overrides: dict[str, Any] | None = None,
+        engine_args: EngineArgs | None = None,
         **kwargs: Any,
     ) -> InProcessTarget:
-        """Load the engine (`engine_overrides` go to LLMEngine.from_engine_dir, e.g. num_threads) and start
-        its thread; `close()` stops it."""
+        """Load the engine with `engine_args` and start its thread; `close()` stops it."""
         from pipeline.runtime.engine.async_engine import EngineThread
         from pipeline.runtime.engine.llm_engine import LLMEngine
 
-        engine = LLMEngine.from_engine_dir(engine_dir, **(engine_overrides or {}))
+        engine = LLMEngine.from_engine_dir(engine_dir, engine_args)
         return cls(EngineThread(engine, max_pending=max_pending), **kwargs)
 
     def stream(self, request: BenchRequest) -> Iterator[int | DraftCounts]:

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 import itertools
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 from pipeline.errors import ConfigError
 from pipeline.runtime.core.metrics import MetricsSnapshot
@@ -17,9 +15,11 @@ from pipeline.runtime.core.request import Request, RequestStatus
 from pipeline.runtime.core.runner import Runner
 from pipeline.runtime.core.sampling_params import SamplingParams
 from pipeline.runtime.core.scheduler import Scheduler, SchedulerConfig
+from pipeline.runtime.engine.engine_args import EngineArgs
 from pipeline.runtime.spec_decode.proposer import Proposer
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class LLMEngine:
@@ -128,56 +128,47 @@ class LLMEngine:
         return requests
 
     @classmethod
-    def from_engine_dir(cls, engine_dir: str | Path, **overrides: Any) -> LLMEngine:
+    def from_engine_dir(cls, engine_dir: str | Path, args: EngineArgs | None = None) -> LLMEngine:
         """Load an engine directory: the model runner plus a scheduler set from its build limits and
-        runtime defaults.
-
-        `overrides` may name SchedulerConfig fields (limits no higher than the engine was built for),
-        ModelRunner keywords (device, kv_max_tokens, kv_free_memory_fraction, num_threads, ...) and
-        speculative-decoding options (spec_decode.factory.SPEC_OPTIONS, e.g. speculative_mode="none").
-        """
+        runtime defaults, each overridable by `args` (limits no higher than the engine was built for)."""
         from pipeline.runtime.engine_config import load_engine_config
-        from pipeline.runtime.spec_decode.factory import SPEC_OPTIONS, make_proposer
+        from pipeline.runtime.spec_decode.factory import make_proposer
         from pipeline.runtime.worker.model_runner import ModelRunner
 
+        args = args or EngineArgs()
         _verify_engine_files(Path(engine_dir))
         engine_config = load_engine_config(engine_dir)
         build, runtime = engine_config.build, engine_config.runtime
-        limits = {
+        built_limits = {
             "max_batch_size": build.max_batch_size,
             "max_num_tokens": build.max_num_tokens,
             "max_input_len": build.max_input_len,
             "max_seq_len": build.max_seq_len,
         }
-        scheduler_fields = {f.name for f in dataclasses.fields(SchedulerConfig)}
-        values: dict[str, Any] = {
-            **limits,
-            "policy": runtime.scheduler_policy,
-            "enable_chunked_context": runtime.enable_chunked_context,
-            "enable_block_reuse": runtime.enable_block_reuse,
-        }
-        values.update({k: v for k, v in overrides.items() if k in scheduler_fields})
-        spec_options = {k: v for k, v in overrides.items() if k in SPEC_OPTIONS}
-        runner_kwargs = {k: v for k, v in overrides.items() if k not in scheduler_fields | set(SPEC_OPTIONS)}
-        accepted = set(inspect.signature(ModelRunner).parameters) - {"engine_config"}
-        unknown = sorted(set(runner_kwargs) - accepted)
-        if unknown:
-            raise ConfigError(
-                f"unknown engine option(s) {', '.join(unknown)}; "
-                f"valid: {', '.join(sorted(scheduler_fields | accepted | set(SPEC_OPTIONS)))}"
-            )
-        for name, built in limits.items():
-            if values[name] > built:
+        limits = {}
+        for name, built in built_limits.items():
+            asked = getattr(args, name)
+            if asked is not None and asked > built:
                 raise ConfigError(
-                    f"{name}={values[name]} exceeds the {built} the engine in {engine_dir} was built for",
+                    f"{name}={asked} exceeds the {built} the engine in {engine_dir} was built for",
                     hint=f"rebuild with a larger engine.{name} or lower the override",
                 )
+            limits[name] = built if asked is None else asked
         try:
-            config = SchedulerConfig(**values)
+            config = SchedulerConfig(
+                **limits,
+                policy=_either(args.policy, runtime.scheduler_policy),
+                enable_chunked_context=_either(args.enable_chunked_context, runtime.enable_chunked_context),
+                enable_block_reuse=_either(args.enable_block_reuse, runtime.enable_block_reuse),
+            )
         except ValueError as err:
             raise ConfigError(f"{engine_dir}: {err}") from None
-        runner = ModelRunner(engine_config, **runner_kwargs)
-        return cls(runner, config, make_proposer(engine_config, runner, **spec_options))
+        runner = ModelRunner(engine_config, args.runner)
+        return cls(runner, config, make_proposer(engine_config, runner, args.speculation))
+
+
+def _either(override: T | None, built: T) -> T:
+    return built if override is None else override
 
 
 def _verify_engine_files(engine_dir: Path) -> None:

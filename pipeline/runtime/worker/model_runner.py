@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Literal
 
 import torch
 
 from pipeline.errors import ConfigError
 from pipeline.runtime.core.outputs import RunnerOutput, SchedulerOutput
+from pipeline.runtime.engine.engine_args import AttentionChoice, RunnerArgs
 from pipeline.runtime.engine_config import EngineConfig, load_engine_config
 from pipeline.runtime.kernels import ops as kernels
 from pipeline.runtime.model.greedy_head import GreedyLMHead
@@ -27,7 +29,7 @@ from pipeline.runtime.model.layers import (
 )
 from pipeline.runtime.model.llama import LlamaModel
 from pipeline.runtime.model.loader import load_llama_weights
-from pipeline.runtime.model.weights import LlamaWeights
+from pipeline.runtime.model.weights import LayerWeights, LlamaWeights
 from pipeline.runtime.worker.attn_metadata import SequenceChunk, build_attention_metadata
 from pipeline.runtime.worker.kv_cache import KVCache, blocks_per_sequence, num_kv_blocks
 from pipeline.runtime.worker.kv_quant import check_kv_quant_algo
@@ -35,11 +37,9 @@ from pipeline.runtime.worker.sampler import Sampler, SampleRow, accept_drafts
 
 logger = logging.getLogger(__name__)
 
-AttentionChoice = Literal["auto", "kernel", "torch"]
-# One-row steps of models whose decoder layers store at most this many weight bytes run single-threaded on
-# CPU (ModelRunner._threads_for): between SmolLM2's int8 layers (3.5 MB, faster on one thread) and its bf16
-# ones (6.75 MB: 61 vs 47 tok/s on two threads, benchmarks/NOTES.md on bf16 engines) and fp32 ones (14 MB).
-SINGLE_THREAD_MAX_LAYER_BYTES = 5 << 20
+# Timed passes of each thread count when choosing single_row_threads (the fastest counts).
+SINGLE_ROW_PROBE_REPEATS = 5
+
 _MODEL_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -66,20 +66,12 @@ class ModelRunner:
     state (sampling randomness is keyed by seed and position), so `finished_request_ids` needs no handling.
     """
 
-    def __init__(
-        self,
-        engine_config: EngineConfig,
-        device: str | torch.device = "auto",
-        kv_max_tokens: int | None = None,
-        kv_free_memory_fraction: float | None = None,
-        num_threads: int | None = None,
-        attention: AttentionChoice = "auto",
-        seed: int | None = None,
-    ) -> None:
+    def __init__(self, engine_config: EngineConfig, args: RunnerArgs | None = None) -> None:
+        args = args or RunnerArgs()
         self.config = engine_config
-        self.device = resolve_device(device)
-        if num_threads is not None:
-            torch.set_num_threads(num_threads)
+        self.device = resolve_device(args.device)
+        if args.num_threads is not None:
+            torch.set_num_threads(args.num_threads)
         model_cfg, build, runtime = engine_config.model, engine_config.build, engine_config.runtime
         self.kv_int8 = check_kv_quant_algo(model_cfg.quantization.kv_cache_quant_algo)
         self.dtype = torch.float32 if self.device.type == "cpu" else _MODEL_DTYPES[model_cfg.dtype]
@@ -96,22 +88,27 @@ class ModelRunner:
         self.layer_weight_bytes = sum(
             linear.weight_bytes for linear in (first.qkv, first.dense, first.gate_up, first.proj)
         )
+        self.single_row_threads = (
+            args.single_row_threads
+            if args.single_row_threads is not None
+            else self._faster_single_row_threads(first)
+        )
         # Sized after the weights are in memory, so "free memory" is what the cache can really use.
         self.num_kv_blocks = num_kv_blocks(
             model_cfg,
             self.tokens_per_block,
             kv_dtype,
             self.device,
-            max_tokens=kv_max_tokens if kv_max_tokens is not None else runtime.kv_max_tokens,
-            free_memory_fraction=kv_free_memory_fraction
-            if kv_free_memory_fraction is not None
+            max_tokens=args.kv_max_tokens if args.kv_max_tokens is not None else runtime.kv_max_tokens,
+            free_memory_fraction=args.kv_free_memory_fraction
+            if args.kv_free_memory_fraction is not None
             else runtime.kv_free_memory_fraction,
             max_useful_blocks=build.max_batch_size
             * blocks_per_sequence(build.max_seq_len + build.max_draft_len, self.tokens_per_block),
             int8=self.kv_int8,
         )
         self.max_positions = min(model_cfg.max_position_embeddings, build.max_seq_len + build.max_draft_len)
-        use_kernel = self._use_kernel(attention)
+        use_kernel = self._use_kernel(args.attention)
         self.kv_cache = KVCache(
             model_cfg,
             self.num_kv_blocks,
@@ -123,7 +120,7 @@ class ModelRunner:
         )
         self.attention_backend = "kernel" if use_kernel else "torch"
         self.model = self._assemble(weights, use_kernel)
-        self.sampler = Sampler(seed)
+        self.sampler = Sampler(args.seed)
         logger.info(
             "model runner: %s on %s (%s, layer weights %s), %d KV blocks of %d tokens (%s, %.2f GiB), "
             "attention=%s",
@@ -139,8 +136,8 @@ class ModelRunner:
         )
 
     @classmethod
-    def from_engine_dir(cls, engine_dir: str | Path, **kwargs: object) -> ModelRunner:
-        return cls(load_engine_config(engine_dir), **kwargs)  # type: ignore[arg-type]
+    def from_engine_dir(cls, engine_dir: str | Path, args: RunnerArgs | None = None) -> ModelRunner:
+        return cls(load_engine_config(engine_dir), args)
 
     def _use_kernel(self, attention: AttentionChoice) -> bool:
         if attention not in ("auto", "kernel", "torch"):
@@ -183,24 +180,52 @@ class ModelRunner:
         with self._threads_for(scheduler_output.num_batched_tokens):
             return self._execute(scheduler_output)
 
+    def _faster_single_row_threads(self, layer: LayerWeights) -> int:
+        """1 or torch's thread count, whichever runs one row through a decoder layer's linears faster on
+        this machine. Why measured, not fixed: a decode step opens ~60 OpenMP regions, and waking the
+        workers for each costs more than the share of work they take over when the layers are small
+        (SmolLM2's int8 / int4 layers on 2 vCPUs: one thread 1.3x / 1.1x faster) and less when they are
+        large (its bf16 / fp32 layers: two threads 1.3x / 1.5x faster); where that line falls depends on
+        the CPU's cores, caches and memory bandwidth."""
+        threads = torch.get_num_threads()
+        if self.device.type != "cpu" or threads == 1:
+            return threads
+        model = self.config.model
+        inputs = [
+            (layer.qkv, model.hidden_size),
+            (layer.dense, model.num_attention_heads * model.head_dim),
+            (layer.gate_up, model.hidden_size),
+            (layer.proj, model.intermediate_size),
+        ]
+        rows = [(linear, torch.randn(1, width, dtype=self.dtype)) for linear, width in inputs]
+
+        def seconds_per_pass(count: int) -> float:
+            torch.set_num_threads(count)
+            try:
+                best = math.inf
+                for _ in range(SINGLE_ROW_PROBE_REPEATS):
+                    start = time.perf_counter()
+                    for linear, x in rows:
+                        linear(x)
+                    best = min(best, time.perf_counter() - start)
+                return best
+            finally:
+                torch.set_num_threads(threads)
+
+        with torch.inference_mode():
+            seconds_per_pass(1)  # first calls pay for kernel loading and page faults
+            one, all_threads = seconds_per_pass(1), seconds_per_pass(threads)
+        return 1 if one < all_threads else threads
+
     @contextlib.contextmanager
     def _threads_for(self, num_rows: int) -> Iterator[None]:
-        """One-row steps of a model with small layers run on one thread. Measured on 2 vCPUs (SmolLM2,
-        benchmarks/NOTES.md): such a step makes ~60 OpenMP regions, and for int8 / int4 layers (3.5 / 2 MB
-        each) waking the second thread for every region costs more than the half of the work it takes over
-        (one thread decodes 1.3x / 1.1x faster), while bf16 and fp32 layers (6.75 / 14 MB) stream faster
-        from two cores (two threads: 1.3x / 1.5x). A single-threaded step also leaves the other core to the
-        serving processes."""
+        """Steps of one row run on `single_row_threads` (torch's thread count is process-wide: restored
+        after the step). A single-threaded step also leaves the other cores to the serving processes."""
         threads = torch.get_num_threads()
-        if (
-            self.device.type != "cpu"
-            or threads == 1
-            or num_rows > 1
-            or self.layer_weight_bytes > SINGLE_THREAD_MAX_LAYER_BYTES
-        ):
+        if self.device.type != "cpu" or num_rows > 1 or self.single_row_threads == threads:
             yield
             return
-        torch.set_num_threads(1)
+        torch.set_num_threads(self.single_row_threads)
         try:
             yield
         finally:

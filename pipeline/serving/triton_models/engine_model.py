@@ -23,10 +23,11 @@ from typing import Any
 
 import triton_python_backend_utils as pb_utils
 
-from pipeline.config.vocab import SCHEDULER_POLICIES
+from pipeline.config.vocab import SCHEDULER_POLICIES, TRITON_ENGINE_PARAMETERS
 from pipeline.errors import PipelineError
 from pipeline.runtime.core.outputs import RequestOutput
 from pipeline.runtime.engine.async_engine import EngineThread, QueueFullError
+from pipeline.runtime.engine.engine_args import EngineArgs, RunnerArgs
 from pipeline.runtime.engine.llm_engine import LLMEngine
 from pipeline.runtime.engine_config import TOKENIZER_DIR, load_engine_config
 from pipeline.runtime.spec_decode.metrics import spec_decode_stats
@@ -52,7 +53,7 @@ UNSENT_STEPS = 4  # engine outputs the responder may have waiting, in steps of m
 @dataclass(frozen=True)
 class EngineSettings:
     engine_dir: Path
-    overrides: dict[str, Any]  # LLMEngine.from_engine_dir keywords
+    engine_args: EngineArgs
     exclude_input_in_output: bool
     max_pending_requests: int
     stats_period_s: float
@@ -62,8 +63,8 @@ class EngineSettings:
 
 def engine_settings(params: tu.ModelParameters, base: Path) -> EngineSettings:
     """The model's config.pbtxt parameters (tensorrtllm_backend's names where they exist), validated."""
-    overrides: dict[str, Any] = {}
     present = params.values
+    name = TRITON_ENGINE_PARAMETERS
     if params.integer("max_beam_width", 1) != 1:
         raise tu.ParameterError(
             params.model,
@@ -71,24 +72,29 @@ def engine_settings(params: tu.ModelParameters, base: Path) -> EngineSettings:
             present["max_beam_width"],
             "the torch engine has no beam search: use 1",
         )
-    if "batch_scheduler_policy" in present:
-        overrides["policy"] = params.choice("batch_scheduler_policy", SCHEDULER_POLICIES)
-    if "enable_chunked_context" in present:
-        overrides["enable_chunked_context"] = params.boolean("enable_chunked_context")
-    if "enable_kv_cache_reuse" in present:
-        overrides["enable_block_reuse"] = params.boolean("enable_kv_cache_reuse")
-    kv_tokens = params.optional_integer("max_tokens_in_paged_kv_cache", minimum=1)
-    if kv_tokens is not None:
-        overrides["kv_max_tokens"] = kv_tokens
-    if "kv_cache_free_gpu_mem_fraction" in present:
-        overrides["kv_free_memory_fraction"] = params.real(
-            "kv_cache_free_gpu_mem_fraction", low=0.0, high=1.0
+    policy, chunked, reuse, fraction = (
+        name[field]
+        for field in (
+            "scheduler.policy",
+            "scheduler.enable_chunked_context",
+            "kv_cache.enable_block_reuse",
+            "kv_cache.free_memory_fraction",
         )
-    overrides["device"] = params.choice("device", ("auto", "cpu", "cuda"), "auto")
+    )
+    engine_args = EngineArgs(
+        policy=params.choice(policy, SCHEDULER_POLICIES) if policy in present else None,  # type: ignore[arg-type]
+        enable_chunked_context=params.boolean(chunked) if chunked in present else None,
+        enable_block_reuse=params.boolean(reuse) if reuse in present else None,
+        runner=RunnerArgs(
+            device=params.choice("device", ("auto", "cpu", "cuda"), "auto"),
+            kv_max_tokens=params.optional_integer(name["kv_cache.max_tokens"], minimum=1),
+            kv_free_memory_fraction=params.real(fraction, low=0.0, high=1.0) if fraction in present else None,
+        ),
+    )
     return EngineSettings(
         engine_dir=params.path("gpt_model_path", base),
-        overrides=overrides,
-        exclude_input_in_output=params.boolean("exclude_input_in_output", False),
+        engine_args=engine_args,
+        exclude_input_in_output=params.boolean(name["serving.exclude_input_in_output"], False),
         max_pending_requests=params.integer("max_pending_requests", 64, minimum=1),
         stats_period_s=params.integer("stats_check_period_ms", 100, minimum=1) / 1000.0,
         cancellation_check_period_s=params.integer("cancellation_check_period_ms", 100, minimum=0) / 1000.0,
@@ -115,7 +121,7 @@ class TorchEngineModel:
         params = tu.ModelParameters(self.model_name, config)
         self.settings = engine_settings(params, tu.version_dir(args))
         try:
-            engine = LLMEngine.from_engine_dir(self.settings.engine_dir, **self.settings.overrides)
+            engine = LLMEngine.from_engine_dir(self.settings.engine_dir, self.settings.engine_args)
         except PipelineError as err:
             raise tu.ParameterError(
                 self.model_name,
