@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.runtime.engine_config import model_config_from_dict
-from pipeline.runtime.kernels import ops as kernels
 from pipeline.runtime.kernels import build
+from pipeline.runtime.kernels import ops as kernels
 from pipeline.runtime.model.fused_decoder import FusedDecoder
 from pipeline.runtime.model.layers import DenseLinear, ResidualRMSNorm, TorchAttention, rotary_cos_sin
 from pipeline.runtime.model.llama import LlamaModel

@@ -12,7 +12,6 @@ import torch
 from pipeline.runtime.core.sampling_params import SamplingParams
 from pipeline.runtime.engine.llm_engine import LLMEngine
 from pipeline.runtime.worker import model_runner
-from tests.serving_helpers import build_tiny_engine
 
 
 def _threads_per_forward(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
@@ -38,19 +37,16 @@ def _threads_per_forward(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> 
     return seen
 
 
-@pytest.fixture(scope="module")
-def engine_dir(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_engine(tiny_llama_dir, tmp_path_factory.mktemp("threads"))
-
-
-def test_small_layers_decode_one_row_on_one_thread(engine_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    engine = LLMEngine.from_engine_dir(engine_dir)
+def test_small_layers_decode_one_row_on_one_thread(
+    tiny_engine_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = LLMEngine.from_engine_dir(tiny_engine_dir)
     assert engine.runner.layer_weight_bytes < model_runner.SINGLE_THREAD_MAX_LAYER_BYTES  # type: ignore[attr-defined]
     seen = _threads_per_forward(engine, monkeypatch)
     assert seen == [(5, 2), (1, 1), (1, 1), (6, 2), (2, 2), (2, 2)]
 
 
-def test_big_layers_keep_every_thread(engine_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    engine = LLMEngine.from_engine_dir(engine_dir)
+def test_big_layers_keep_every_thread(tiny_engine_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = LLMEngine.from_engine_dir(tiny_engine_dir)
     monkeypatch.setattr(model_runner, "SINGLE_THREAD_MAX_LAYER_BYTES", engine.runner.layer_weight_bytes - 1)  # type: ignore[attr-defined]
     assert all(threads == 2 for _, threads in _threads_per_forward(engine, monkeypatch))
