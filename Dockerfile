@@ -15,16 +15,16 @@ FROM ${BASE_IMAGE}
 
 WORKDIR /opt/llmpipe
 COPY pyproject.toml README.md ./
+COPY scripts/image_requirements.py ./scripts/
 COPY pipeline ./pipeline
 COPY build_configs ./build_configs
-COPY model_repo ./model_repo
 
 # NOTE: --no-deps keeps the image's torch, transformers and tensorrt_llm exactly as NVIDIA built them
-# (TensorRT-LLM pins its own transformers); only the pure-Python libraries llmpipe adds are installed.
+# (TensorRT-LLM pins its own transformers): pyproject.toml's dependencies that the image already has stay at
+# the image's version, and only the ones it lacks are installed, within pyproject's ranges.
 RUN python3 -m pip install --no-cache-dir --no-deps -e . \
- && python3 -m pip install --no-cache-dir \
-        "click>=8.1,<9" "pyyaml>=6,<7" "pydantic>=2.6,<3" "gguf>=0.10,<1" "onnx>=1.16,<2" "tqdm>=4.66" \
-        "tritonclient[all]>=2.50,<3" \
+ && python3 scripts/image_requirements.py > /tmp/llmpipe-requirements.txt \
+ && python3 -m pip install --no-cache-dir -r /tmp/llmpipe-requirements.txt \
  && python3 -c "import tensorrt_llm, pipeline.cli.main; print('tensorrt_llm', tensorrt_llm.__version__)"
 
 ENTRYPOINT ["llmpipe"]

@@ -44,7 +44,7 @@ lint: install  ## ruff check + format check
 	$(VENV)/bin/ruff check pipeline tests scripts
 	$(VENV)/bin/ruff format --check pipeline tests scripts
 
-typecheck: install
+typecheck: install  ## mypy on pipeline
 	$(VENV)/bin/mypy pipeline
 
 validate: install  ## accuracy gates of the default build against the HF reference

@@ -1,4 +1,4 @@
-"""Shared fixtures: an isolated HF cache and work dir for every test, and the model fixtures."""
+"""Shared fixtures: an isolated HF cache and work dir for every test, and the model and serving fixtures."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["tests.fixtures_models"]
+pytest_plugins = ["tests.fixtures_models", "tests.fixtures_serving"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,11 +1,17 @@
-"""Shared by the serving tests: a build config and a torch engine directory for the tiny random Llama."""
+"""Shared by the serving tests: a build config, a torch engine directory and a served model repository for
+the tiny random Llama."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.config.build_config import BuildConfig
+
+if TYPE_CHECKING:
+    from pipeline.serving.server.launcher import TritonServer
 
 # max_seq_len leaves room for long generations, so that a cancellation lands before the request ends.
 ENGINE_LIMITS = {"max_batch_size": 16, "max_input_len": 256, "max_seq_len": 1024, "max_num_tokens": 512}
@@ -37,6 +43,41 @@ def build_tiny_engine(hf_dir: Path, root: Path, **sections: Any) -> Path:
     convert(cfg, hf_dir, checkpoint)
     build(cfg, checkpoint, engine)
     return engine
+
+
+@contextmanager
+def serve_tiny(
+    hf_dir: Path,
+    engine_dir: Path,
+    repo: Path,
+    *,
+    prepare: Callable[[Path], None] | None = None,
+    **sections: Any,
+) -> Iterator[TritonServer]:
+    """A real tritonserver on free loopback ports serving `engine_dir`, packaged into `repo` with
+    tiny_config(hf_dir, **sections); `prepare(repo)` edits the repository before the server starts. Skips
+    the caller when no tritonserver binary can be found."""
+    from pipeline.serving.repository.render import render_model_repository
+    from pipeline.serving.server.command import ServerOptions
+    from pipeline.serving.server.launcher import TritonServer
+
+    require_tritonserver()
+    cfg = tiny_config(hf_dir, **sections)
+    render_model_repository(cfg, engine_dir, repo)
+    if prepare is not None:
+        prepare(repo)
+    # A roomy exit timeout: the tests check that shutdown is clean, not fast, on a busy 2-core machine.
+    # frontend_nice is passed on because only `llmpipe package` records it where the launcher looks.
+    options = ServerOptions(
+        repo,
+        http_port=0,
+        grpc_port=0,
+        metrics_port=0,
+        exit_timeout_s=20,
+        frontend_nice=cfg.serving.frontend_nice,
+    )
+    with TritonServer(options, ready_timeout_s=240) as server:
+        yield server
 
 
 def scrape_metrics(metrics_url: str) -> dict[str, float]:

@@ -12,28 +12,17 @@ import torch
 from click.testing import CliRunner
 from transformers import AutoModelForCausalLM
 
-from pipeline.backends.torch.build import build as torch_build
-from pipeline.backends.torch.checkpoint import convert as torch_convert
 from pipeline.backends.trtllm.inspect.onnx_export import INPUT_NAMES, OUTPUT_NAMES
 from pipeline.cli.inspect import inspect
-from pipeline.config.build_config import BuildConfig
 from pipeline.runtime.engine_config import load_engine_config
+from tests.serving_helpers import build_tiny_engine
 
 
 @pytest.fixture(scope="module")
 def tiny_engine(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    cfg = BuildConfig.model_validate(
-        {
-            "name": "onnx",
-            "source": {"kind": "local", "path": str(tiny_llama_dir)},
-            "dtype": "float32",
-            "engine": {"max_seq_len": 64, "max_input_len": 32},
-        }
+    return build_tiny_engine(
+        tiny_llama_dir, tmp_path_factory.mktemp("onnx"), engine={"max_seq_len": 64, "max_input_len": 32}
     )
-    ckpt, engine = tmp_path_factory.mktemp("ckpt"), tmp_path_factory.mktemp("engine")
-    torch_convert(cfg, tiny_llama_dir, ckpt)
-    torch_build(cfg, ckpt, engine)
-    return engine
 
 
 def test_exported_step_matches_hf_token_for_token(

@@ -2,7 +2,7 @@
 BLS and the `tensorrt_llm` engine model, gets a client error whose message names the input, the value and
 the limit; afterwards the server is healthy and a valid request still equals the in-process engine.
 
-One decoupled server for the whole module. Over the gRPC stream API Triton carries errors as messages
+The shared decoupled server (tiny_server). Over the gRPC stream API Triton carries errors as messages
 only (no status code), so there the message is what is checked; over HTTP the status must be 400."""
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import json
 import queue
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,33 +20,14 @@ import pytest
 from pipeline.runtime.core.sampling_params import SamplingParams
 from pipeline.runtime.engine.llm_engine import LLMEngine
 from pipeline.serving.client import GenerationOptions, GrpcClient, HttpClient
-from pipeline.serving.repository.render import render_model_repository
-from pipeline.serving.server.command import ServerOptions
 from pipeline.serving.server.launcher import TritonServer
 from pipeline.serving.triton_models.tokenization import PromptEncoder
-from tests.serving_helpers import build_tiny_engine, require_tritonserver, tiny_config
 
 pytestmark = pytest.mark.triton
 
 LONG_PROMPT = "word " * 400  # > max_input_len=256 tokens
 MEGA_PROMPT = "a" * (1 << 20)
 VALID_PROMPT = "The quick brown fox"
-
-
-@pytest.fixture(scope="module")
-def server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
-    require_tritonserver()
-    root = tmp_path_factory.mktemp("bad-requests")
-    engine_dir = build_tiny_engine(tiny_llama_dir, root)
-    render_model_repository(tiny_config(tiny_llama_dir), engine_dir, root / "model_repo")
-    options = ServerOptions(root / "model_repo", http_port=0, grpc_port=0, metrics_port=0, exit_timeout_s=20)
-    srv = TritonServer(options, ready_timeout_s=240)
-    srv.start()
-    srv.engine_dir = engine_dir  # type: ignore[attr-defined]
-    try:
-        yield srv
-    finally:
-        srv.stop()
 
 
 def _i32(*values: int) -> np.ndarray:
@@ -348,9 +328,9 @@ HTTP_CASES: list[tuple[str, str, dict[str, Any], str]] = [
     ("model", "tensors", "pattern"), [c[1:] for c in GRPC_CASES], ids=[c[0] for c in GRPC_CASES]
 )
 def test_grpc_bad_request_is_rejected_naming_input_value_and_limit(
-    server: TritonServer, model: str, tensors: dict[str, np.ndarray], pattern: str
+    tiny_server: TritonServer, model: str, tensors: dict[str, np.ndarray], pattern: str
 ) -> None:
-    message = _grpc_error(server, model, tensors)
+    message = _grpc_error(tiny_server, model, tensors)
     assert re_search(pattern, message), message
     assert "Stub process" not in message and "not healthy" not in message
 
@@ -359,17 +339,17 @@ def test_grpc_bad_request_is_rejected_naming_input_value_and_limit(
     ("model", "body", "pattern"), [c[1:] for c in HTTP_CASES], ids=[c[0] for c in HTTP_CASES]
 )
 def test_http_bad_request_is_400_naming_input_value_and_limit(
-    server: TritonServer, model: str, body: dict[str, Any], pattern: str
+    tiny_server: TritonServer, model: str, body: dict[str, Any], pattern: str
 ) -> None:
-    message = _http_error(server, model, body)
+    message = _http_error(tiny_server, model, body)
     assert message.startswith("HTTP 400: "), message
     assert re_search(pattern, message), message
 
 
-def test_http_json_of_the_wrong_type_is_refused_by_triton_before_any_model(server: TritonServer) -> None:
+def test_http_json_of_the_wrong_type_is_refused_by_triton_before_any_model(tiny_server: TritonServer) -> None:
     # Triton 2.51's generate endpoint answers a JSON type mismatch with 500 and without the input's name:
     # its own parser, not ours, so only the message can be checked; nothing reaches the model.
-    message = _http_error(server, E, {"text_input": "hi", "max_tokens": "many"})
+    message = _http_error(tiny_server, E, {"text_input": "hi", "max_tokens": "many"})
     assert re_search(r"HTTP [45]\d\d: Unable to parse 'data'", message), message
 
 
@@ -379,21 +359,22 @@ def re_search(pattern: str, text: str) -> bool:
     return re.search(pattern, text, re.DOTALL) is not None
 
 
-def test_server_is_healthy_and_correct_after_the_bad_requests(server: TritonServer) -> None:
+def test_server_is_healthy_and_correct_after_the_bad_requests(
+    tiny_server: TritonServer, tiny_engine_dir: Path
+) -> None:
     # Runs last in this module (definition order): every bad request above went to this server first.
-    assert server.is_ready() and server.process is not None and server.process.poll() is None
-    engine_dir: Path = server.engine_dir  # type: ignore[attr-defined]
-    encoder = PromptEncoder.from_dir(engine_dir / "tokenizer")
-    engine = LLMEngine.from_engine_dir(engine_dir)
+    assert tiny_server.is_ready() and tiny_server.process is not None and tiny_server.process.poll() is None
+    encoder = PromptEncoder.from_dir(tiny_engine_dir / "tokenizer")
+    engine = LLMEngine.from_engine_dir(tiny_engine_dir)
     [done] = engine.generate(
         [encoder.encode_prompt(VALID_PROMPT)],
         [SamplingParams(max_tokens=16, temperature=0.0, end_id=encoder.end_id)],
     )
     want = encoder.tokenizer.decode(done.output_token_ids, skip_special_tokens=True)
     options = GenerationOptions(max_tokens=16)
-    assert HttpClient(server.http_url).generate(VALID_PROMPT, options).text == want
+    assert HttpClient(tiny_server.http_url).generate(VALID_PROMPT, options).text == want
     for model in (E, B):
-        with GrpcClient(server.grpc_url, model) as client:
+        with GrpcClient(tiny_server.grpc_url, model) as client:
             assert client.generate(VALID_PROMPT, GenerationOptions(max_tokens=16, stream=True)).text == want
-    errors = [line for line in server.log_lines() if "Stub process" in line or "Segmentation" in line]
+    errors = [line for line in tiny_server.log_lines() if "Stub process" in line or "Segmentation" in line]
     assert errors == []

@@ -11,15 +11,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from pipeline.backends.torch.build import build
-from pipeline.backends.torch.checkpoint import convert
-from pipeline.config.build_config import build_config_from_dict
 from pipeline.runtime.core.sampling_params import SamplingParams
 from pipeline.runtime.core.scheduler import SchedulerConfig
 from pipeline.runtime.engine.engine_args import RunnerArgs
 from pipeline.runtime.engine.llm_engine import LLMEngine
 from pipeline.runtime.kernels import ops as kernels
 from pipeline.runtime.worker.model_runner import ModelRunner
+from tests.serving_helpers import build_tiny_engine
 
 LIMITS = {"max_batch_size": 8, "max_input_len": 512, "max_seq_len": 1024, "max_num_tokens": 512}
 
@@ -28,19 +26,14 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def bf16_runner(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> ModelRunner:
-    out = tmp_path_factory.mktemp("bf16-engine")
-    cfg = build_config_from_dict(
-        {
-            "name": "bf16",
-            "source": {"kind": "local", "path": str(tiny_llama_dir)},
-            "dtype": "bfloat16",
-            "engine": LIMITS,
-            "kv_cache": {"tokens_per_block": 8},
-        }
+    engine_dir = build_tiny_engine(
+        tiny_llama_dir,
+        tmp_path_factory.mktemp("bf16-engine"),
+        dtype="bfloat16",
+        engine=LIMITS,
+        kv_cache={"tokens_per_block": 8, "max_tokens": None},
     )
-    convert(cfg, tiny_llama_dir, out / "checkpoint")
-    build(cfg, out / "checkpoint", out / "engine")
-    return ModelRunner.from_engine_dir(out / "engine", RunnerArgs(device="cpu"))
+    return ModelRunner.from_engine_dir(engine_dir, RunnerArgs(device="cpu"))
 
 
 def rounded_hf_model(hf_dir: Path) -> torch.nn.Module:

@@ -38,10 +38,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pipeline.serving.repository.render import render_model_repository
-from pipeline.serving.server.command import ServerOptions
 from pipeline.serving.server.launcher import TritonServer
-from tests.serving_helpers import build_tiny_engine, metric, require_tritonserver, scrape_metrics, tiny_config
+from tests.serving_helpers import metric, scrape_metrics, serve_tiny
 
 pytestmark = pytest.mark.triton
 LONG = 1000  # max_tokens far past every cancellation below (max_seq_len is 1024)
@@ -56,13 +54,7 @@ MAX_HELD_BACK = 3
 IDLE_WITHIN_S = 1.5
 
 
-@pytest.fixture(scope="module")
-def server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
-    require_tritonserver()
-    root = tmp_path_factory.mktemp("cancellation")
-    engine_dir = build_tiny_engine(tiny_llama_dir, root)
-    repo = root / "model_repo"
-    render_model_repository(tiny_config(tiny_llama_dir), engine_dir, repo)
+def _add_timed_model(repo: Path) -> None:
     timed = repo / TIMED_MODEL
     shutil.copytree(repo / "tensorrt_llm", timed)
     config = (timed / "config.pbtxt").read_text()
@@ -73,8 +65,16 @@ def server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     )
     assert f'"{TIMED_MODEL}"' in config and f'"{TIMEOUT_S}"' in config
     (timed / "config.pbtxt").write_text(config)
-    options = ServerOptions(repo, http_port=0, grpc_port=0, metrics_port=0, exit_timeout_s=20)
-    with TritonServer(options, ready_timeout_s=240) as srv:
+
+
+@pytest.fixture(scope="module")
+def server(
+    tiny_llama_dir: Path, tiny_engine_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[TritonServer]:
+    """Not the shared tiny_server: this one serves TIMED_MODEL too, and its gauges and counters see this
+    module's requests alone."""
+    repo = tmp_path_factory.mktemp("cancellation") / "model_repo"
+    with serve_tiny(tiny_llama_dir, tiny_engine_dir, repo, prepare=_add_timed_model) as srv:
         yield srv
 
 

@@ -23,7 +23,7 @@ from pipeline.runtime.core.sampling_params import SamplingParams
 from pipeline.runtime.engine.async_engine import EngineThread
 from pipeline.runtime.engine.llm_engine import LLMEngine
 from pipeline.serving.server.health import python_stubs
-from tests.serving_helpers import build_tiny_engine, require_tritonserver
+from tests.serving_helpers import require_tritonserver
 
 POISON = "poison"
 
@@ -43,11 +43,10 @@ class _PoisonedRunner:
         return self._runner.execute(scheduler_output)
 
 
-def test_engine_error_on_one_request_fails_only_that_request(tiny_llama_dir: Path, tmp_path: Path) -> None:
-    engine_dir = build_tiny_engine(tiny_llama_dir, tmp_path)
+def test_engine_error_on_one_request_fails_only_that_request(tiny_engine_dir: Path) -> None:
     params = SamplingParams(max_tokens=12, temperature=0.0)
     prompts = {f"ok{i}": [1, 20 + i, 30 + i] for i in range(4)} | {POISON: [1, 2, 3]}
-    reference = LLMEngine.from_engine_dir(engine_dir)
+    reference = LLMEngine.from_engine_dir(tiny_engine_dir)
     want = {
         rid: r.output_token_ids
         for rid, r in zip(
@@ -56,7 +55,7 @@ def test_engine_error_on_one_request_fails_only_that_request(tiny_llama_dir: Pat
             strict=True,
         )
     }
-    engine = LLMEngine.from_engine_dir(engine_dir)
+    engine = LLMEngine.from_engine_dir(tiny_engine_dir)
     engine.runner = _PoisonedRunner(engine.runner)
     with EngineThread(engine) as thread:
         streams = {rid: thread.submit(rid, ids, params) for rid, ids in prompts.items()}

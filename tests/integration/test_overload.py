@@ -18,11 +18,9 @@ from pipeline.runtime.core.sampling_params import SamplingParams
 from pipeline.runtime.engine.async_engine import EngineThread, QueueFullError
 from pipeline.runtime.engine.llm_engine import LLMEngine
 from pipeline.serving.client import GenerationOptions, GrpcClient
-from pipeline.serving.repository.render import render_model_repository
-from pipeline.serving.server.command import ServerOptions
 from pipeline.serving.server.launcher import TritonServer
 from pipeline.serving.triton_models.tokenization import PromptEncoder
-from tests.serving_helpers import build_tiny_engine, metric, require_tritonserver, scrape_metrics, tiny_config
+from tests.serving_helpers import metric, scrape_metrics, serve_tiny
 
 MAX_BATCH, MAX_QUEUE = 2, 2
 CAPACITY = MAX_BATCH + MAX_QUEUE  # the engine's max_pending_requests as packaged
@@ -32,17 +30,12 @@ KV_TOKENS = 1024  # 64 blocks of 16 tokens: far fewer than the 40 requests would
 QUEUE_FULL = r"queue is full|[Ee]xceeds maximum queue size"
 
 
-@pytest.fixture(scope="module")
-def engine_dir(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_engine(tiny_llama_dir, tmp_path_factory.mktemp("overload-engine"))
-
-
 def _prompts() -> list[str]:
     return [f"Overload {i}: " + "tok " * (i % 5) for i in range(OVERLOAD)]
 
 
-def test_engine_thread_rejects_past_max_pending_at_once(engine_dir: Path) -> None:
-    engine = LLMEngine.from_engine_dir(engine_dir)
+def test_engine_thread_rejects_past_max_pending_at_once(tiny_engine_dir: Path) -> None:
+    engine = LLMEngine.from_engine_dir(tiny_engine_dir)
     params = SamplingParams(max_tokens=32, temperature=0.0)
     with EngineThread(engine, max_pending=3) as thread:
         streams = [thread.submit(f"r{i}", [1, 5 + i, 9], params) for i in range(3)]
@@ -62,19 +55,15 @@ def test_engine_thread_rejects_past_max_pending_at_once(engine_dir: Path) -> Non
 
 @pytest.fixture(scope="module")
 def server(
-    tiny_llama_dir: Path, engine_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    tiny_llama_dir: Path, tiny_engine_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[TritonServer]:
-    require_tritonserver()
-    repo = tmp_path_factory.mktemp("overload") / "model_repo"
-    cfg = tiny_config(
+    with serve_tiny(
         tiny_llama_dir,
+        tiny_engine_dir,
+        tmp_path_factory.mktemp("overload") / "model_repo",
         engine={"max_batch_size": MAX_BATCH},
         serving={"max_queue_size": MAX_QUEUE},
         kv_cache={"max_tokens": KV_TOKENS},
-    )
-    render_model_repository(cfg, engine_dir, repo)
-    with TritonServer(
-        ServerOptions(repo, http_port=0, grpc_port=0, metrics_port=0, exit_timeout_s=20), ready_timeout_s=240
     ) as srv:
         yield srv
 
@@ -91,11 +80,11 @@ def _kv(server: TritonServer) -> dict[str, float]:
 
 @pytest.mark.triton
 def test_10x_overload_rejects_fast_and_serves_the_admitted_correctly(
-    server: TritonServer, engine_dir: Path
+    server: TritonServer, tiny_engine_dir: Path
 ) -> None:
     prompts = _prompts()
-    encoder = PromptEncoder.from_dir(engine_dir / "tokenizer")
-    done = LLMEngine.from_engine_dir(engine_dir).generate(
+    encoder = PromptEncoder.from_dir(tiny_engine_dir / "tokenizer")
+    done = LLMEngine.from_engine_dir(tiny_engine_dir).generate(
         [encoder.encode_prompt(p) for p in prompts],
         [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, end_id=encoder.end_id) for _ in prompts],
     )

@@ -8,14 +8,12 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from pipeline.backends.torch.build import build
-from pipeline.backends.torch.checkpoint import convert
-from pipeline.config.build_config import build_config_from_dict
 from pipeline.runtime.core.outputs import ScheduledRequest, SchedulerOutput
 from pipeline.runtime.core.request import Request
 from pipeline.runtime.core.sampling_params import SamplingParams
@@ -30,6 +28,7 @@ from pipeline.runtime.worker.attn_metadata import SequenceChunk, build_attention
 from pipeline.runtime.worker.kv_cache import KVCache
 from pipeline.runtime.worker.model_runner import ModelRunner
 from pipeline.sources.tiny import make_tiny_checkpoint
+from tests.serving_helpers import build_tiny_engine
 
 LOGPROB_TOLERANCE = 1e-4
 TINY_LIMITS = {"max_batch_size": 16, "max_input_len": 512, "max_seq_len": 1024, "max_num_tokens": 512}
@@ -46,18 +45,17 @@ class Case:
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def make_engine_dir(hf_dir: Path, out: Path, tokens_per_block: int = 8) -> Path:
-    cfg = build_config_from_dict(
-        {
-            "name": "parity",
-            "source": {"kind": "local", "path": str(hf_dir)},
-            "engine": TINY_LIMITS,
-            "kv_cache": {"tokens_per_block": tokens_per_block},
-        }
+def make_engine_dir(hf_dir: Path, out: Path, tokens_per_block: int = 8, **sections: Any) -> Path:
+    """convert + build into `out/engine`, in the checkpoint's own dtype, with a KV capacity sized at run
+    time (kv_max_tokens) rather than tiny_config's."""
+    return build_tiny_engine(
+        hf_dir,
+        out,
+        dtype="auto",
+        engine=TINY_LIMITS,
+        kv_cache={"tokens_per_block": tokens_per_block, "max_tokens": None},
+        **sections,
     )
-    convert(cfg, hf_dir, out / "checkpoint")
-    build(cfg, out / "checkpoint", out / "engine")
-    return out / "engine"
 
 
 def hf_greedy(

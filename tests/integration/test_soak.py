@@ -5,16 +5,12 @@ A ~20 s variant runs in `make test`; `make soak` runs the script for 20 minutes.
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-from pipeline.serving.repository.render import render_model_repository
-from pipeline.serving.server.command import ServerOptions
 from pipeline.serving.server.launcher import TritonServer
-from tests.serving_helpers import build_tiny_engine, require_tritonserver, tiny_config
 
 pytestmark = pytest.mark.triton
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "soak.py"
@@ -28,23 +24,11 @@ def _soak_module() -> ModuleType:
     return module
 
 
-@pytest.fixture(scope="module")
-def served(
-    tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[TritonServer, Path]]:
-    require_tritonserver()
-    root = tmp_path_factory.mktemp("soak")
-    engine_dir = build_tiny_engine(tiny_llama_dir, root)
-    render_model_repository(tiny_config(tiny_llama_dir), engine_dir, root / "model_repo")
-    options = ServerOptions(root / "model_repo", http_port=0, grpc_port=0, metrics_port=0, exit_timeout_s=20)
-    with TritonServer(options, ready_timeout_s=240) as server:
-        yield server, engine_dir
-
-
-def test_short_soak_has_no_wrong_answers_leaks_or_growth(served: tuple[TritonServer, Path]) -> None:
+def test_short_soak_has_no_wrong_answers_leaks_or_growth(
+    tiny_server: TritonServer, tiny_engine_dir: Path
+) -> None:
     soak = _soak_module()
-    server, engine_dir = served
-    report = soak.soak(server, soak.expected_texts(engine_dir), duration_s=20.0)
+    report = soak.soak(tiny_server, soak.expected_texts(tiny_engine_dir), duration_s=20.0)
     print(report)
     assert report["wrong"] == 0, report["failures"]
     assert report["leaked_kv_blocks"] == 0

@@ -27,31 +27,12 @@ from pipeline.runtime.engine.llm_engine import LLMEngine
 from pipeline.runtime.spec_decode.draft_model import DraftModelProposer
 from pipeline.runtime.spec_decode.proposer import NgramProposer, Proposer
 from pipeline.runtime.worker.model_runner import ModelRunner
-from tests.serving_helpers import build_tiny_engine
+from tests.integration.test_parity import TINY_LIMITS, make_engine_dir
 
-LIMITS: dict[str, Any] = {
-    "max_batch_size": 16,
-    "max_input_len": 512,
-    "max_seq_len": 1024,
-    "max_num_tokens": 512,
-}
 LOGPROB_TOLERANCE = 1e-4
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def build_engine(hf_dir: Path, out: Path, tokens_per_block: int = 8, **sections: Any) -> Path:
-    """convert + build into `out/engine`, in the checkpoint's own dtype, with a KV capacity sized at run
-    time (kv_max_tokens) rather than tiny_config's."""
-    return build_tiny_engine(
-        hf_dir,
-        out,
-        dtype="auto",
-        engine=LIMITS,
-        kv_cache={"tokens_per_block": tokens_per_block, "max_tokens": None},
-        **sections,
-    )
 
 
 def perturbed_copy(hf_dir: Path, out: Path, noise: float) -> Path:
@@ -76,8 +57,8 @@ def engines(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> d
     root = tmp_path_factory.mktemp("spec")
     noisy = perturbed_copy(tiny_llama_dir, root / "noisy-hf", noise=0.05)
     return {
-        "target": build_engine(tiny_llama_dir, root / "target"),
-        "noisy": build_engine(noisy, root / "noisy"),
+        "target": make_engine_dir(tiny_llama_dir, root / "target"),
+        "noisy": make_engine_dir(noisy, root / "noisy"),
     }
 
 
@@ -112,7 +93,7 @@ def generate(
     params: list[SamplingParams],
     **config: Any,
 ) -> tuple[list[Request], LLMEngine]:
-    engine = LLMEngine(runner, SchedulerConfig(**{**LIMITS, **config}), proposer)
+    engine = LLMEngine(runner, SchedulerConfig(**{**TINY_LIMITS, **config}), proposer)
     requests = engine.generate(prompts, params)
     engine.step()  # idle step: a draft-model proposer releases the finished requests' shadows
     assert engine.stats().num_kv_blocks_used == 0, "target KV blocks leaked"
@@ -231,7 +212,7 @@ def test_unseeded_sampling_keeps_the_target_distribution(
         engines["target"], RunnerArgs(device="cpu", kv_max_tokens=16384, seed=1234)
     )
     proposer = PROPOSERS[name](engines)
-    engine = LLMEngine(runner, SchedulerConfig(**LIMITS), proposer)
+    engine = LLMEngine(runner, SchedulerConfig(**TINY_LIMITS), proposer)
     num_samples = 1600
     params = SamplingParams(max_tokens=NUM_OUTPUTS, temperature=1.0, top_k=TOP_K)
     requests = engine.generate([prompt] * num_samples, params)
@@ -259,7 +240,7 @@ def test_build_config_reaches_the_engine(
         "adaptive": False,
     }
     engine = LLMEngine.from_engine_dir(
-        build_engine(tiny_llama_dir, tmp_path / "ngram", speculative=ngram),
+        make_engine_dir(tiny_llama_dir, tmp_path / "ngram", speculative=ngram),
         EngineArgs(runner=RunnerArgs(device="cpu", kv_max_tokens=4096)),
     )
     proposer = engine.proposer
@@ -273,9 +254,9 @@ def test_build_config_reaches_the_engine(
     )
     spec = {"mode": "draft_model", "draft_config": "draft.yaml", "max_draft_len": 2}
     with pytest.raises(MissingArtifactError, match="draft.yaml has no engine at"):
-        build_engine(tiny_llama_dir, tmp_path / "target", speculative=spec)
-    build_engine(tiny_llama_dir, tmp_path / "build" / "draft")  # where draft.yaml's engine lands
-    target_dir = build_engine(tiny_llama_dir, tmp_path / "target", speculative=spec)
+        make_engine_dir(tiny_llama_dir, tmp_path / "target", speculative=spec)
+    make_engine_dir(tiny_llama_dir, tmp_path / "build" / "draft")  # where draft.yaml's engine lands
+    target_dir = make_engine_dir(tiny_llama_dir, tmp_path / "target", speculative=spec)
     engine = LLMEngine.from_engine_dir(
         target_dir, EngineArgs(runner=RunnerArgs(device="cpu", kv_max_tokens=4096))
     )
@@ -302,7 +283,7 @@ def test_build_config_reaches_the_engine(
 def test_smollm2_greedy_equal_without_speculation(smollm2_hf_dir: Path, tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
-    engine_dir = build_engine(smollm2_hf_dir, tmp_path / "smollm2", tokens_per_block=32)
+    engine_dir = make_engine_dir(smollm2_hf_dir, tmp_path / "smollm2", tokens_per_block=32)
     runner = ModelRunner.from_engine_dir(engine_dir, RunnerArgs(device="cpu", kv_max_tokens=32768))
     tokenizer = AutoTokenizer.from_pretrained(smollm2_hf_dir)
     code = "def add(a, b):\n    return a + b\n\n\ndef mul(a, b):\n    return a * b\n"

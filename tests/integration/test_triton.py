@@ -24,18 +24,10 @@ from pipeline.errors import ServingError
 from pipeline.runtime.core.sampling_params import SamplingParams
 from pipeline.runtime.engine.llm_engine import LLMEngine
 from pipeline.serving.client import GenerationOptions, GrpcClient, HttpClient
-from pipeline.serving.repository.render import render_model_repository
 from pipeline.serving.server.command import ServerOptions
 from pipeline.serving.server.launcher import TritonServer
 from pipeline.serving.triton_models.tokenization import PromptEncoder
-from tests.serving_helpers import (
-    MULTIBYTE_PROMPT,
-    build_tiny_engine,
-    metric,
-    require_tritonserver,
-    scrape_metrics,
-    tiny_config,
-)
+from tests.serving_helpers import MULTIBYTE_PROMPT, metric, scrape_metrics, serve_tiny
 
 pytestmark = pytest.mark.triton
 PROMPTS = ("The quick brown fox", MULTIBYTE_PROMPT)
@@ -43,16 +35,10 @@ MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def engine_dir(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    require_tritonserver()
-    return build_tiny_engine(tiny_llama_dir, tmp_path_factory.mktemp("triton-engine"))
-
-
-@pytest.fixture(scope="module")
-def expected(engine_dir: Path) -> dict[tuple[str, int], str]:
+def expected(tiny_engine_dir: Path) -> dict[tuple[str, int], str]:
     """prompt, max_tokens -> the in-process engine's greedy text, tokenized the way preprocessing does."""
-    encoder = PromptEncoder.from_dir(engine_dir / "tokenizer")
-    engine = LLMEngine.from_engine_dir(engine_dir)
+    encoder = PromptEncoder.from_dir(tiny_engine_dir / "tokenizer")
+    engine = LLMEngine.from_engine_dir(tiny_engine_dir)
     prompts = [(p, MAX_TOKENS) for p in PROMPTS] + [(f"Request {i}: " + "word " * i, 40) for i in range(16)]
     params = [SamplingParams(max_tokens=n, temperature=0.0, end_id=encoder.end_id) for _, n in prompts]
     done = engine.generate([encoder.encode_prompt(p) for p, _ in prompts], params)
@@ -62,39 +48,27 @@ def expected(engine_dir: Path) -> dict[tuple[str, int], str]:
     }
 
 
-def _server(tiny_llama_dir: Path, engine_dir: Path, root: Path, decoupled: bool) -> Iterator[TritonServer]:
-    repo = root / "model_repo"
-    cfg = tiny_config(tiny_llama_dir, decoupled=decoupled, serving={"frontend_nice": 19})
-    render_model_repository(cfg, engine_dir, repo)
-    # A roomy exit timeout: the check is that shutdown is clean, not fast, on a busy 2-core machine.
-    options = ServerOptions(
-        repo,
-        http_port=0,
-        grpc_port=0,
-        metrics_port=0,
-        exit_timeout_s=20,
-        frontend_nice=cfg.serving.frontend_nice,
-    )
-    server = TritonServer(options, ready_timeout_s=240)
-    server.start()
-    try:
+# Not the shared tiny_server: these run reniced (serving.frontend_nice), and test_servers_shut_down_cleanly
+# stops both.
+def _server(hf_dir: Path, engine_dir: Path, root: Path, decoupled: bool) -> Iterator[TritonServer]:
+    with serve_tiny(
+        hf_dir, engine_dir, root / "model_repo", decoupled=decoupled, serving={"frontend_nice": 19}
+    ) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")
 def streaming(
-    tiny_llama_dir: Path, engine_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    tiny_llama_dir: Path, tiny_engine_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[TritonServer]:
-    yield from _server(tiny_llama_dir, engine_dir, tmp_path_factory.mktemp("decoupled"), decoupled=True)
+    yield from _server(tiny_llama_dir, tiny_engine_dir, tmp_path_factory.mktemp("decoupled"), decoupled=True)
 
 
 @pytest.fixture(scope="module")
 def unary(
-    tiny_llama_dir: Path, engine_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    tiny_llama_dir: Path, tiny_engine_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[TritonServer]:
-    yield from _server(tiny_llama_dir, engine_dir, tmp_path_factory.mktemp("unary"), decoupled=False)
+    yield from _server(tiny_llama_dir, tiny_engine_dir, tmp_path_factory.mktemp("unary"), decoupled=False)
 
 
 # --- decoupled (streaming) deployment ---

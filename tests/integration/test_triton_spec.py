@@ -19,11 +19,9 @@ from pipeline.runtime.core.sampling_params import SamplingParams
 from pipeline.runtime.engine.engine_args import EngineArgs, SpeculationArgs
 from pipeline.runtime.engine.llm_engine import LLMEngine
 from pipeline.runtime.spec_decode.metrics import spec_decode_stats
-from pipeline.serving.repository.render import render_model_repository
-from pipeline.serving.server.command import ServerOptions
 from pipeline.serving.server.launcher import TritonServer
 from pipeline.serving.triton_models.tokenization import PromptEncoder
-from tests.serving_helpers import build_tiny_engine, metric, require_tritonserver, scrape_metrics, tiny_config
+from tests.serving_helpers import build_tiny_engine, metric, require_tritonserver, scrape_metrics, serve_tiny
 
 pytestmark = pytest.mark.triton
 NGRAM = {"mode": "ngram", "max_draft_len": 4, "ngram": {"min_match": 1, "max_match": 3}}
@@ -45,13 +43,8 @@ def server(
     tiny_llama_dir: Path, engine_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[TritonServer]:
     repo = tmp_path_factory.mktemp("spec-repo") / "model_repo"
-    render_model_repository(tiny_config(tiny_llama_dir, speculative=NGRAM), engine_dir, repo)
-    options = ServerOptions(repo, http_port=0, grpc_port=0, metrics_port=0, exit_timeout_s=20)
-    server = TritonServer(options, ready_timeout_s=240)
-    server.start()
-    try:
+    with serve_tiny(tiny_llama_dir, engine_dir, repo, speculative=NGRAM) as server:
         yield server
-    finally:
         assert server.stop() == 0
         assert server.leftover_shm() == []
 

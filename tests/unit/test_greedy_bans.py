@@ -9,14 +9,13 @@ import pytest
 
 from pipeline.runtime.core.sampling_params import SamplingParams
 from pipeline.runtime.engine.llm_engine import LLMEngine
-from tests.serving_helpers import build_tiny_engine
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 3, 42], [7, 7, 7, 7, 7, 7, 7]]
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> LLMEngine:
-    engine = LLMEngine.from_engine_dir(build_tiny_engine(tiny_llama_dir, tmp_path_factory.mktemp("bans")))
+def engine(tiny_engine_dir: Path) -> LLMEngine:
+    engine = LLMEngine.from_engine_dir(tiny_engine_dir)
     if engine.runner.model.greedy_head is None:  # type: ignore[attr-defined]
         pytest.skip("no compiled greedy head on this machine")
     return engine

@@ -16,18 +16,13 @@ from pipeline.serving.repository.render import MODELS, render_model_repository, 
 from pipeline.serving.server.command import ServerOptions, TritonInstall, mpi_command, server_args, server_env
 from pipeline.serving.server.launcher import failure_lines, with_free_ports
 from pipeline.serving.triton_models import io
-from tests.serving_helpers import build_tiny_engine, tiny_config
+from tests.serving_helpers import tiny_config
 
 
 @pytest.fixture(scope="module")
-def engine_dir(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_engine(tiny_llama_dir, tmp_path_factory.mktemp("repo-engine"))
-
-
-@pytest.fixture(scope="module")
-def repo(tiny_llama_dir: Path, engine_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def repo(tiny_llama_dir: Path, tiny_engine_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("rendered") / "model_repo"
-    facts = render_model_repository(tiny_config(tiny_llama_dir), engine_dir, out)
+    facts = render_model_repository(tiny_config(tiny_llama_dir), tiny_engine_dir, out)
     assert facts["models"] == list(MODELS) and facts["engine"] == "tensorrt_llm/1/engine"
     return out
 
@@ -36,16 +31,16 @@ def _config(repo: Path, model: str):  # type: ignore[no-untyped-def]
     return parse_model_config(model, (repo / model / "config.pbtxt").read_text())
 
 
-def test_layout_carries_engine_and_tokenizers_by_hardlink(repo: Path, engine_dir: Path) -> None:
+def test_layout_carries_engine_and_tokenizers_by_hardlink(repo: Path, tiny_engine_dir: Path) -> None:
     for model in MODELS:
         assert (repo / model / "config.pbtxt").is_file() and (repo / model / "1").is_dir()
     weights = repo / "tensorrt_llm" / "1" / "engine" / "rank0.safetensors"
-    assert os.stat(weights).st_ino == os.stat(engine_dir / "rank0.safetensors").st_ino
+    assert os.stat(weights).st_ino == os.stat(tiny_engine_dir / "rank0.safetensors").st_ino
     for model in ("preprocessing", "postprocessing", "tensorrt_llm_bls"):
         assert (repo / model / "1" / "tokenizer" / "tokenizer.json").is_file()
         assert "TritonPythonModel" in (repo / model / "1" / "model.py").read_text()
     text = "".join((repo / m / "config.pbtxt").read_text() for m in MODELS)
-    assert "${" not in text and str(engine_dir) not in text and "/tmp" not in text  # relocatable
+    assert "${" not in text and str(tiny_engine_dir) not in text and "/tmp" not in text  # relocatable
 
 
 def test_rendered_configs_follow_the_build_config(repo: Path) -> None:
@@ -80,18 +75,20 @@ def test_tensor_names_match_the_serving_code(repo: Path) -> None:
     assert set(client.request_json("x", client.GenerationOptions(stream=True))) <= set(io.CLIENT_INPUTS)
 
 
-def test_non_decoupled_and_trtllm_variants(tiny_llama_dir: Path, engine_dir: Path, tmp_path: Path) -> None:
+def test_non_decoupled_and_trtllm_variants(
+    tiny_llama_dir: Path, tiny_engine_dir: Path, tmp_path: Path
+) -> None:
     unary = tmp_path / "unary"
-    render_model_repository(tiny_config(tiny_llama_dir, decoupled=False), engine_dir, unary)
+    render_model_repository(tiny_config(tiny_llama_dir, decoupled=False), tiny_engine_dir, unary)
     assert not _config(unary, "tensorrt_llm").model_transaction_policy.decoupled
     assert not _config(unary, "tensorrt_llm_bls").model_transaction_policy.decoupled
 
     trt = tmp_path / "trtllm"
-    facts = render_model_repository(tiny_config(tiny_llama_dir, backend="trtllm"), engine_dir, trt)
+    facts = render_model_repository(tiny_config(tiny_llama_dir, backend="trtllm"), tiny_engine_dir, trt)
     engine = _config(trt, "tensorrt_llm")
     params = {k: v.string_value for k, v in engine.parameters.items()}
     assert engine.backend == "tensorrtllm" and params["gpt_model_type"] == "inflight_fused_batching"
-    assert params["gpt_model_path"] == str(engine_dir) and facts["engine"] == str(engine_dir)
+    assert params["gpt_model_path"] == str(tiny_engine_dir) and facts["engine"] == str(tiny_engine_dir)
     assert not (trt / "tensorrt_llm" / "1" / "model.py").exists()
     assert not (trt / "tensorrt_llm" / "1" / "engine").exists()
 
@@ -154,24 +151,24 @@ def _templates(tmp_path: Path, model: str, old: str, new: str) -> Path:
     ],
 )
 def test_bad_templates_are_rejected_naming_model_field_and_value(
-    tiny_llama_dir: Path, engine_dir: Path, tmp_path: Path, model: str, old: str, new: str, message: str
+    tiny_llama_dir: Path, tiny_engine_dir: Path, tmp_path: Path, model: str, old: str, new: str, message: str
 ) -> None:
     templates = _templates(tmp_path, model, old, new)
     with pytest.raises(ConfigError) as err:
         render_model_repository(
-            tiny_config(tiny_llama_dir), engine_dir, tmp_path / "out", templates=templates
+            tiny_config(tiny_llama_dir), tiny_engine_dir, tmp_path / "out", templates=templates
         )
     assert message in str(err.value)
     assert not (tmp_path / "out").exists()  # nothing written before every config checks out
 
 
 def test_engine_dir_must_hold_a_valid_engine_and_tokenizer(
-    tiny_llama_dir: Path, engine_dir: Path, tmp_path: Path
+    tiny_llama_dir: Path, tiny_engine_dir: Path, tmp_path: Path
 ) -> None:
     with pytest.raises(MissingArtifactError, match="no config.json"):
         render_model_repository(tiny_config(tiny_llama_dir), tmp_path, tmp_path / "out")
     partial = tmp_path / "engine"
-    shutil.copytree(engine_dir, partial, ignore=shutil.ignore_patterns("tokenizer"))
+    shutil.copytree(tiny_engine_dir, partial, ignore=shutil.ignore_patterns("tokenizer"))
     with pytest.raises(MissingArtifactError, match="tokenizer"):
         render_model_repository(tiny_config(tiny_llama_dir), partial, tmp_path / "out2")
 
@@ -254,7 +251,7 @@ def test_serve_dry_run_prints_a_loopback_command(repo: Path) -> None:
 
 
 def test_serve_explains_what_is_missing(
-    tiny_llama_dir: Path, engine_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_llama_dir: Path, tiny_engine_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from click.testing import CliRunner
 
@@ -273,7 +270,7 @@ def test_serve_explains_what_is_missing(
     assert "tiny has no packaged model repository" in str(unbuilt.exception)
     assert f"llmpipe build {config}" in (unbuilt.exception.hint or "")
     trt = tmp_path / "trt"
-    render_model_repository(tiny_config(tiny_llama_dir, backend="trtllm"), engine_dir, trt)
+    render_model_repository(tiny_config(tiny_llama_dir, backend="trtllm"), tiny_engine_dir, trt)
     monkeypatch.setattr("pipeline.cli.serve.find_tritonserver", lambda: BUNDLED)
     refused = CliRunner().invoke(serve, [str(trt)])
     assert isinstance(refused.exception, BackendUnavailableError) and "trtllm" in (

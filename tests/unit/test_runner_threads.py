@@ -13,7 +13,6 @@ import torch
 from pipeline.runtime.core.sampling_params import SamplingParams
 from pipeline.runtime.engine.engine_args import EngineArgs, RunnerArgs
 from pipeline.runtime.engine.llm_engine import LLMEngine
-from tests.serving_helpers import build_tiny_engine
 
 
 def _threads_per_forward(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
@@ -42,34 +41,29 @@ def two_threads() -> Any:
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="module")
-def engine_dir(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_engine(tiny_llama_dir, tmp_path_factory.mktemp("threads"))
-
-
-def _engine(engine_dir: Path, single_row_threads: int | None) -> LLMEngine:
+def _engine(tiny_engine_dir: Path, single_row_threads: int | None) -> LLMEngine:
     args = EngineArgs(runner=RunnerArgs(device="cpu", single_row_threads=single_row_threads))
-    return LLMEngine.from_engine_dir(engine_dir, args)
+    return LLMEngine.from_engine_dir(tiny_engine_dir, args)
 
 
 def test_one_row_steps_run_on_the_chosen_thread_count(
-    engine_dir: Path, two_threads: None, monkeypatch: pytest.MonkeyPatch
+    tiny_engine_dir: Path, two_threads: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    seen = _threads_per_forward(_engine(engine_dir, 1), monkeypatch)
+    seen = _threads_per_forward(_engine(tiny_engine_dir, 1), monkeypatch)
     assert seen == [(5, 2), (1, 1), (1, 1), (6, 2), (2, 2), (2, 2)]
 
 
 def test_all_threads_when_chosen(
-    engine_dir: Path, two_threads: None, monkeypatch: pytest.MonkeyPatch
+    tiny_engine_dir: Path, two_threads: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    seen = _threads_per_forward(_engine(engine_dir, 2), monkeypatch)
+    seen = _threads_per_forward(_engine(tiny_engine_dir, 2), monkeypatch)
     assert all(threads == 2 for _, threads in seen)
 
 
 def test_the_measured_choice_is_one_or_all_and_is_applied(
-    engine_dir: Path, two_threads: None, monkeypatch: pytest.MonkeyPatch
+    tiny_engine_dir: Path, two_threads: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    engine = _engine(engine_dir, None)
+    engine = _engine(tiny_engine_dir, None)
     chosen = engine.runner.single_row_threads  # type: ignore[attr-defined]
     assert chosen in (1, 2)
     assert torch.get_num_threads() == 2  # the measurement restored it

@@ -28,12 +28,7 @@ from pipeline.serving.triton_models.postprocessing import PostprocessingModel  #
 from pipeline.serving.triton_models.preprocessing import PreprocessingModel  # noqa: E402
 from pipeline.serving.triton_models.tokenization import load_tokenizer  # noqa: E402
 from pipeline.serving.triton_models.triton_utils import ParameterError  # noqa: E402
-from tests.serving_helpers import MULTIBYTE_PROMPT, build_tiny_engine, tiny_config  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def engine_dir(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_engine(tiny_llama_dir, tmp_path_factory.mktemp("serving-engine"))
+from tests.serving_helpers import MULTIBYTE_PROMPT, tiny_config  # noqa: E402
 
 
 def _repo(tiny_llama_dir: Path, engine_dir: Path, root: Path, decoupled: bool) -> Path:
@@ -66,10 +61,10 @@ def _load(model_cls: type, repo: Path, name: str, **parameters: str) -> Any:
 
 @pytest.fixture(scope="module")
 def repos(
-    tiny_llama_dir: Path, engine_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    tiny_llama_dir: Path, tiny_engine_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[bool, Path]:
     root = tmp_path_factory.mktemp("serving-repos")
-    return {d: _repo(tiny_llama_dir, engine_dir, root, d) for d in (True, False)}
+    return {d: _repo(tiny_llama_dir, tiny_engine_dir, root, d) for d in (True, False)}
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +75,8 @@ def engine_model(repos: dict[bool, Path]) -> Iterator[TorchEngineModel]:
 
 
 @pytest.fixture(scope="module")
-def reference(engine_dir: Path) -> LLMEngine:
-    return LLMEngine.from_engine_dir(engine_dir)
+def reference(tiny_engine_dir: Path) -> LLMEngine:
+    return LLMEngine.from_engine_dir(tiny_engine_dir)
 
 
 def _engine_request(
@@ -242,10 +237,10 @@ def _bls_request(prompt: str, max_tokens: int, **extra: Any) -> pb.InferenceRequ
 
 
 def test_bls_stream_equals_whole_text_equals_engine(
-    bls: tuple, engine_dir: Path, reference: LLMEngine
+    bls: tuple, tiny_engine_dir: Path, reference: LLMEngine
 ) -> None:
     model, _ = bls
-    tokenizer = load_tokenizer(engine_dir / "tokenizer")
+    tokenizer = load_tokenizer(tiny_engine_dir / "tokenizer")
     prompt_ids = tokenizer.encode(MULTIBYTE_PROMPT)
     expected_ids = reference.generate([prompt_ids], SamplingParams(max_tokens=30, temperature=0.0))[0]
     expected = tokenizer.decode(expected_ids.output_token_ids, skip_special_tokens=True)
@@ -271,7 +266,7 @@ def test_bls_reports_bad_input_and_stops_engine_when_cancelled(
     assert _kv_used(engine_model) == 0
 
 
-def test_pre_and_postprocessing_models_round_trip(repos: dict[bool, Path], engine_dir: Path) -> None:
+def test_pre_and_postprocessing_models_round_trip(repos: dict[bool, Path], tiny_engine_dir: Path) -> None:
     pre, post = (
         _load(PreprocessingModel, repos[True], "preprocessing"),
         _load(PostprocessingModel, repos[True], "postprocessing"),
