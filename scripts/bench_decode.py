@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import os
 
-# Before torch loads libgomp: idle OpenMP threads sleep instead of spinning. On a shared 2-core machine a
-# spinning thread steals the core its partner needs, and 2-thread runs slow down by 10x or more.
+# Before torch loads libgomp, as the CLI does (pipeline.util.openmp says why).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 import time
@@ -27,6 +28,10 @@ from pathlib import Path
 
 # this checkout's pipeline, not an installed llmpipe, and benchmarks/harness, which is never installed
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pipeline.util.openmp import default_wait_policy  # noqa: E402
+
+default_wait_policy(os.environ)  # before torch loads
 
 from benchmarks.harness import targets  # noqa: E402
 from pipeline.bench import report  # noqa: E402

@@ -32,6 +32,10 @@ from typing import Any
 # this checkout's pipeline, not an installed llmpipe, and benchmarks/harness, which is never installed
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pipeline.util.openmp import default_wait_policy  # noqa: E402
+
+default_wait_policy(os.environ)  # before torch loads
+
 from benchmarks.harness import targets  # noqa: E402
 from pipeline.bench import report, suite  # noqa: E402
 from pipeline.bench.builds import Build, ensure_built  # noqa: E402

@@ -15,16 +15,20 @@ in milliseconds: on a shared machine the minimum estimates a quiet one. "deq+mm"
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
 
-import torch
-import torch.nn.functional as F
+from pipeline.util.openmp import default_wait_policy  # noqa: E402
 
-from pipeline.runtime.kernels import ops as kernels
-from pipeline.runtime.kernels.build import kernel_isa
-from pipeline.runtime.quant import primitives
+default_wait_policy(os.environ)  # before torch loads
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from pipeline.runtime.kernels import ops as kernels  # noqa: E402
+from pipeline.runtime.kernels.build import kernel_isa  # noqa: E402
+from pipeline.runtime.quant import primitives  # noqa: E402
 
 # (name, out_features, in_features) of SmolLM2-135M: hidden 576, 9 heads + 2 x 3 KV heads of 64, MLP 1536.
 SHAPES = {

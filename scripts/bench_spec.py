@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import shlex
 import sys
 import time
@@ -33,7 +34,9 @@ from typing import Any
 # this checkout's pipeline, not an installed llmpipe, and benchmarks/harness, which is never installed
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import pipeline  # noqa: E402, F401  (sets OMP_WAIT_POLICY before torch loads)
+from pipeline.util.openmp import default_wait_policy  # noqa: E402
+
+default_wait_policy(os.environ)  # before torch loads
 from benchmarks.harness import targets  # noqa: E402
 from pipeline.bench.builds import ensure_built  # noqa: E402
 from pipeline.bench.report import load_1m  # noqa: E402

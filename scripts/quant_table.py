@@ -12,17 +12,21 @@ the HF reference and takes ~10 minutes on 2 cores; --no-validate skips them and 
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.bench import report
-from pipeline.bench.builds import ensure_built
-from pipeline.bench.decode import decode_speed, random_prompts
-from pipeline.config.build_config import BuildConfig
-from pipeline.errors import run_script
+from pipeline.util.openmp import default_wait_policy  # noqa: E402
+
+default_wait_policy(os.environ)  # before torch loads
+from pipeline.bench import report  # noqa: E402
+from pipeline.bench.builds import ensure_built  # noqa: E402
+from pipeline.bench.decode import decode_speed, random_prompts  # noqa: E402
+from pipeline.config.build_config import BuildConfig  # noqa: E402
+from pipeline.errors import run_script  # noqa: E402
 
 SMOLLM2 = "build_configs/smollm2-135m.yaml"
 # label -> (build config, overrides)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import sys
 import tempfile
 import threading
@@ -18,6 +19,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pipeline.util.openmp import default_wait_policy  # noqa: E402
+
+default_wait_policy(os.environ)  # before torch loads
 
 from pipeline.errors import ServingError  # noqa: E402
 from pipeline.serving.client import GenerationOptions, GrpcClient, HttpClient  # noqa: E402

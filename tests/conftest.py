@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+# As the CLI does, before the fixture modules load torch (pipeline.util.openmp says why).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 pytest_plugins = ["tests.fixtures_models", "tests.fixtures_serving"]
 

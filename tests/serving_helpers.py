@@ -67,15 +67,7 @@ def serve_tiny(
     if prepare is not None:
         prepare(repo)
     # A roomy exit timeout: the tests check that shutdown is clean, not fast, on a busy 2-core machine.
-    # frontend_nice is passed on because only `llmpipe package` records it where the launcher looks.
-    options = ServerOptions(
-        repo,
-        http_port=0,
-        grpc_port=0,
-        metrics_port=0,
-        exit_timeout_s=20,
-        frontend_nice=cfg.serving.frontend_nice,
-    )
+    options = ServerOptions(repo, http_port=0, grpc_port=0, metrics_port=0, exit_timeout_s=20)
     with TritonServer(options, ready_timeout_s=240) as server:
         yield server
 

@@ -1,7 +1,7 @@
 """Workloads whose answers copy their prompts, where speculative decoding's prompt lookup pays off:
 
-  code-edit   "edit this function" requests over pure-Python standard-library functions (real code of 10-40
-              lines: the answer is mostly the function again);
+  code-edit   "edit this function" requests over short functions of llmpipe's own code, shipped as
+              pipeline/data/code_edit.jsonl (the answer is mostly the function again);
   summarize   one-sentence summaries of the short articles of llmpipe's eval set (pipeline/data/eval), which
               quote names and phrases of the article.
 
@@ -10,27 +10,11 @@ Both are prompt text; `workloads.tokenize` turns them into ids (through the chat
 
 from __future__ import annotations
 
-import importlib
-import inspect
-from typing import Any
-
 from pipeline.bench.requests import BenchRequest
+from pipeline.util.files import read_jsonl
+from pipeline.util.package_data import DATA_DIR
 
-# (module, qualified name) of pure-Python standard-library functions to edit.
-CODE_SOURCES = (
-    ("textwrap", "dedent"),
-    ("textwrap", "indent"),
-    ("textwrap", "TextWrapper._split"),
-    ("textwrap", "TextWrapper._fix_sentence_endings"),
-    ("shutil", "copyfileobj"),
-    ("random", "Random.shuffle"),
-    ("string", "capwords"),
-    ("calendar", "monthrange"),
-    ("base64", "b64encode"),
-    ("contextlib", "contextmanager"),
-    ("argparse", "_ActionsContainer._get_positional_kwargs"),
-    ("dataclasses", "_tuple_str"),
-)
+CODE_SNIPPETS = DATA_DIR / "code_edit.jsonl"  # see code_edit.README.md beside it
 EDITS = (
     "Add type hints to this Python function. Reply with the complete function only.",
     "Rename this function to `{name}_v2` and keep everything else unchanged. Reply with the code only.",
@@ -40,15 +24,10 @@ CODE_EDIT_OUTPUT_TOKENS = 256
 SUMMARY_OUTPUT_TOKENS = 64
 
 
-def code_snippets(count: int) -> list[tuple[str, str]]:
-    """(function name, source) of the first `count` CODE_SOURCES."""
-    snippets = []
-    for module_name, qualname in CODE_SOURCES[:count]:
-        obj: Any = importlib.import_module(module_name)
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
-        snippets.append((qualname.rsplit(".", 1)[-1], inspect.cleandoc("\n" + inspect.getsource(obj))))
-    return snippets
+def code_snippets(count: int | None = None) -> list[tuple[str, str]]:
+    """(function name, source) of the first `count` shipped snippets (all of them for None)."""
+    records = [(str(r["name"]), str(r["source"])) for _, r in read_jsonl(CODE_SNIPPETS)]
+    return records[:count]
 
 
 def code_edit_prompt(index: int, name: str, source: str) -> str:
@@ -58,7 +37,7 @@ def code_edit_prompt(index: int, name: str, source: str) -> str:
 def code_edit_requests(output_tokens: int = CODE_EDIT_OUTPUT_TOKENS) -> list[BenchRequest]:
     return [
         BenchRequest(index=i, output_tokens=output_tokens, prompt=code_edit_prompt(i, name, source))
-        for i, (name, source) in enumerate(code_snippets(len(CODE_SOURCES)))
+        for i, (name, source) in enumerate(code_snippets())
     ]
 
 

@@ -18,6 +18,7 @@ from pipeline.cli.options import CONTEXT
 from pipeline.cli.serve import serve
 from pipeline.cli.validate import validate
 from pipeline.errors import PipelineError
+from pipeline.util.openmp import default_wait_policy
 
 
 class _Cli(click.Group):
@@ -58,4 +59,5 @@ for _command in (build, *STAGE_COMMANDS, config, serve, generate, validate, benc
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point."""
+    default_wait_policy(os.environ)  # before any command loads torch
     cli.main(args=argv, prog_name="llmpipe")

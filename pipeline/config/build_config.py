@@ -245,15 +245,6 @@ class ServingSection(_Strict):
     skip_special_tokens: bool = Field(True, description="Detokenizer drops special tokens.")
     apply_chat_template: bool = Field(False, description="Wrap text_input in the tokenizer's chat template.")
     request_timeout_s: float = Field(600.0, gt=0, description="Server-side limit on one request's life.")
-    frontend_nice: int = Field(
-        0,
-        ge=0,
-        le=19,
-        description="CPU niceness of tritonserver and the tokenizer/detokenizer/BLS stubs (never the engine), so "
-        "they run in the engine's idle moments instead of stalling its OpenMP threads; "
-        "0 = off. 19 raised served 16-stream int8 throughput from 0.85x to 0.93x of in-process on 2 vCPUs "
-        "(benchmarks/NOTES.md); torch backend only (trtllm's engine runs inside tritonserver).",
-    )
 
     @model_validator(mode="after")
     def _check(self) -> ServingSection:
@@ -452,11 +443,6 @@ def _check_backend_support(cfg: BuildConfig) -> None:
             raise ValueError(
                 f"speculative.mode={cfg.speculative.mode} is a TensorRT-LLM mode; the torch backend offers draft_model or ngram"
             )
-    if cfg.backend == "trtllm" and cfg.serving.frontend_nice:
-        raise ValueError(
-            f"serving.frontend_nice={cfg.serving.frontend_nice} with backend=trtllm would slow the engine, which "
-            "runs inside tritonserver; use 0 (or leave it unset)"
-        )
     if cfg.speculative.mode == "draft_model" and not cfg.speculative.draft_config:
         raise ValueError(
             "speculative.mode=draft_model needs speculative.draft_config (the draft engine's build config)"

@@ -48,12 +48,9 @@ def expected(tiny_engine_dir: Path) -> dict[tuple[str, int], str]:
     }
 
 
-# Not the shared tiny_server: these run reniced (serving.frontend_nice), and test_servers_shut_down_cleanly
-# stops both.
+# Not the shared tiny_server: test_servers_shut_down_cleanly stops both.
 def _server(hf_dir: Path, engine_dir: Path, root: Path, decoupled: bool) -> Iterator[TritonServer]:
-    with serve_tiny(
-        hf_dir, engine_dir, root / "model_repo", decoupled=decoupled, serving={"frontend_nice": 19}
-    ) as server:
+    with serve_tiny(hf_dir, engine_dir, root / "model_repo", decoupled=decoupled) as server:
         yield server
 
 

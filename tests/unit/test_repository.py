@@ -56,12 +56,6 @@ def test_rendered_configs_follow_the_build_config(repo: Path) -> None:
     )
     pre = {k: v.string_value for k, v in _config(repo, "preprocessing").parameters.items()}
     assert pre["tokenizer_dir"] == "tokenizer" and pre["max_input_len"] == "256"
-    for model in (
-        "preprocessing",
-        "postprocessing",
-        "tensorrt_llm_bls",
-    ):  # serving.frontend_nice: off by default
-        assert _config(repo, model).parameters["process_nice"].string_value == "0"
 
 
 def test_tensor_names_match_the_serving_code(repo: Path) -> None:

@@ -33,8 +33,7 @@ from tests.serving_helpers import MULTIBYTE_PROMPT, tiny_config  # noqa: E402
 
 def _repo(tiny_llama_dir: Path, engine_dir: Path, root: Path, decoupled: bool) -> Path:
     repo = root / ("decoupled" if decoupled else "unary")
-    # The models run inside this test process here: they must not renice it (serving.frontend_nice).
-    cfg = tiny_config(tiny_llama_dir, decoupled=decoupled, serving={"frontend_nice": 0})
+    cfg = tiny_config(tiny_llama_dir, decoupled=decoupled)
     render_model_repository(cfg, engine_dir, repo)
     return repo
 

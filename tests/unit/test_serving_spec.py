@@ -45,8 +45,7 @@ def repo(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         patch.chdir(root)  # speculative.draft_config is read from the current directory
         engine = build_tiny_engine(tiny_llama_dir, root / "target", speculative=SELF_DRAFT)
     out = root / "model_repo"
-    # The models run inside this test process here: they must not renice it (serving.frontend_nice).
-    cfg = tiny_config(tiny_llama_dir, speculative=SELF_DRAFT, serving={"frontend_nice": 0})
+    cfg = tiny_config(tiny_llama_dir, speculative=SELF_DRAFT)
     render_model_repository(cfg, engine, out)
     yield out
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.artifacts import MANIFEST_NAME, link_tree, read_manifest
+from pipeline.artifacts import MANIFEST_NAME, link_tree
 from pipeline.config.build_config import BuildConfig
 from pipeline.errors import ConfigError, MissingArtifactError
 from pipeline.serving.repository.engine_parameters import engine_parameters, pbtxt_flag
@@ -39,7 +39,6 @@ TOKENIZER_MODELS = ("preprocessing", "postprocessing", "tensorrt_llm_bls")
 TEMPLATE_NAME = "config.pbtxt.tmpl"
 ENGINE_SUBDIR = "engine"
 TOKENIZER_SUBDIR = "tokenizer"
-FRONTEND_NICE_FACT = "frontend_nice"  # the package manifest's record of serving.frontend_nice
 
 
 def templates_dir() -> Path:
@@ -126,7 +125,6 @@ def template_values(cfg: BuildConfig, engine_param_path: Path | None = None) -> 
         "exclude_input_in_output": pbtxt_flag(serving.exclude_input_in_output),
         "max_input_len": str(engine.max_input_len),
         "max_seq_len": str(engine.max_seq_len),
-        "process_nice": str(cfg.serving.frontend_nice),
     }
     if cfg.backend == "trtllm":
         from pipeline.backends.trtllm.triton_params import tensorrt_llm_header, tensorrt_llm_parameters
@@ -218,13 +216,6 @@ def render_configs(
     return rendered
 
 
-def packaged_frontend_nice(repo: Path) -> int:
-    """The niceness `llmpipe package` chose for tritonserver (serving.frontend_nice); 0 for a repository it
-    did not write."""
-    manifest = read_manifest(Path(repo))
-    return int(manifest.facts.get(FRONTEND_NICE_FACT, 0)) if manifest is not None else 0
-
-
 def render_model_repository(
     cfg: BuildConfig, engine_dir: Path, out_dir: Path, templates: Path | None = None
 ) -> dict[str, Any]:
@@ -263,7 +254,6 @@ def render_model_repository(
         "tokenizer": {m: f"{m}/1/{TOKENIZER_SUBDIR}" for m in TOKENIZER_MODELS},
         "config_sha256": {m: hashlib.sha256(t.encode()).hexdigest() for m, t in configs.items()},
         "tool_packages": ["tritonclient"],
-        FRONTEND_NICE_FACT: cfg.serving.frontend_nice,
     }
     if draft is not None:
         facts["draft_engine"] = str(draft.engine_dir)

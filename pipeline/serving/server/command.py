@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.errors import ServingError
+from pipeline.util.openmp import default_wait_policy
 from pipeline.util.package_data import IMPORT_ROOT
 
 _INSTALL_HINT = (
@@ -53,8 +54,6 @@ class ServerOptions:
     # tp*pp of a trtllm engine: one tritonserver rank per GPU under mpirun, rank 0 serving clients.
     world_size: int = 1
     tensorrt_llm_model_names: tuple[str, ...] = ("tensorrt_llm",)
-    # tritonserver's niceness once ready (priority.py); None: what the package manifest recorded
-    frontend_nice: int | None = None
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -109,6 +108,7 @@ def server_env(install: TritonInstall, base: dict[str, str] | None = None) -> di
     # The stub must import this very `pipeline` package, installed or not.
     package_root = str(IMPORT_ROOT)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
+    default_wait_policy(env)  # the engine stub shares the cores with the server and the other stubs
     if not install.bundled:
         return env
     # The stub finds its sys.prefix by looking up python3 on PATH: put this interpreter's first.

@@ -34,7 +34,6 @@ from pathlib import Path
 from types import FrameType, TracebackType
 
 from pipeline.errors import ServingError
-from pipeline.serving.repository.render import packaged_frontend_nice
 from pipeline.serving.server.command import (
     ServerOptions,
     TritonInstall,
@@ -44,7 +43,6 @@ from pipeline.serving.server.command import (
     server_env,
 )
 from pipeline.serving.server.health import HealthWatch
-from pipeline.serving.triton_models.priority import lower_priority
 
 SHM_DIR = Path("/dev/shm")
 _LOG_LINES_KEPT = 400
@@ -178,9 +176,6 @@ class TritonServer:
             self.wait_ready(self.ready_timeout_s)
             with self._log_lock:
                 self._lines_at_ready = self._num_lines
-            # After loading: the engine stubs were forked at niceness 0 and keep it (priority.py says why).
-            nice = self.options.frontend_nice
-            lower_priority(self.process.pid, packaged_frontend_nice(repo) if nice is None else nice)
         except BaseException:
             self.stop()
             raise

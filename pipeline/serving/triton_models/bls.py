@@ -13,7 +13,6 @@ its rounds' tokens stream as they come, and a cancelled client ends it between r
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 import uuid
@@ -37,7 +36,6 @@ from pipeline.serving.triton_models.io import (
     word_list_to_sequences,
 )
 from pipeline.serving.triton_models.preprocessing import preprocess
-from pipeline.serving.triton_models.priority import lower_priority
 from pipeline.serving.triton_models.tokenization import PromptEncoder
 
 CANCEL_CHECK_PERIOD_S = 0.05
@@ -205,7 +203,6 @@ class BlsModel:
     def initialize(self, args: dict[str, Any]) -> None:
         config = json.loads(args["model_config"])
         params = tu.ModelParameters(args["model_name"], config)
-        lower_priority(os.getpid(), params.integer("process_nice", 0, minimum=0))
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         self.engine_decoupled = params.boolean("decoupled_mode", self.decoupled)
         self.engine_model = params.string("tensorrt_llm_model_name", "tensorrt_llm")

@@ -8,14 +8,12 @@ guarantees for byte-level BPE tokenizers; the BLS model is exact for every token
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 import numpy as np
 
 from pipeline.serving.triton_models import triton_utils as tu
 from pipeline.serving.triton_models.io import InvalidInputError
-from pipeline.serving.triton_models.priority import lower_priority
 from pipeline.serving.triton_models.tokenization import load_tokenizer
 
 
@@ -48,7 +46,6 @@ class PostprocessingModel:
 
     def initialize(self, args: dict[str, Any]) -> None:
         params = tu.ModelParameters(args["model_name"], json.loads(args["model_config"]))
-        lower_priority(os.getpid(), params.integer("process_nice", 0, minimum=0))
         self.tokenizer = load_tokenizer(params.path("tokenizer_dir", tu.version_dir(args)))
         self.skip_special_tokens = params.boolean("skip_special_tokens", True)
 

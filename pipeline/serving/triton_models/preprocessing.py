@@ -6,14 +6,12 @@ rows of different lengths are right-padded with the pad id (REQUEST_INPUT_LEN ho
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
 
 from pipeline.serving.triton_models import triton_utils as tu
 from pipeline.serving.triton_models.io import InvalidInputError
-from pipeline.serving.triton_models.priority import lower_priority
 from pipeline.serving.triton_models.tokenization import PromptEncoder, decode_text
 
 INPUTS = ("QUERY", "REQUEST_OUTPUT_LEN", "BAD_WORDS_DICT", "STOP_WORDS_DICT", "END_ID", "PAD_ID")
@@ -116,7 +114,6 @@ class PreprocessingModel:
 
         config = json.loads(args["model_config"])
         params = tu.ModelParameters(args["model_name"], config)
-        lower_priority(os.getpid(), params.integer("process_nice", 0, minimum=0))
         self.encoder = PromptEncoder.from_dir(
             params.path("tokenizer_dir", tu.version_dir(args)),
             add_special_tokens=params.boolean("add_special_tokens", True),
