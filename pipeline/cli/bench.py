@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from pipeline.cli.options import CONTEXT
+from pipeline.cli.options import CONTEXT, overrides_option
 from pipeline.errors import ConfigError, MissingArtifactError, ServingError
 
 if TYPE_CHECKING:
@@ -142,9 +142,7 @@ _URL = re.compile(r"^([a-z]+://)?[\w.-]+:\d+/?$")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the workload and the arrivals.")
 @click.option("--no-plots", is_flag=True, help="Skip the PNG plots (matplotlib not needed then).")
 @click.option("--no-progress", is_flag=True, help="No progress bar (for logs).")
-@click.option(
-    "--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a CONFIG field (repeatable)."
-)
+@overrides_option("engine.max_batch_size=8")
 def bench(
     target: str,
     in_process: bool,

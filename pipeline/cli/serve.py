@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from pipeline.cli.options import CONTEXT
+from pipeline.cli.options import CONTEXT, overrides_option
 from pipeline.errors import BackendUnavailableError, MissingArtifactError, ServingError
 from pipeline.serving.server.command import ServerOptions, find_tritonserver, server_command
 from pipeline.serving.server.launcher import TritonServer, failure_lines
@@ -69,13 +69,7 @@ def _options_for(target: str, overrides: tuple[str, ...]) -> ServerOptions:
 
 @click.command("serve", context_settings=CONTEXT)
 @click.argument("target", required=False, default=DEFAULT_CONFIG, metavar="[CONFIG|MODEL_REPO]")
-@click.option(
-    "--set",
-    "overrides",
-    multiple=True,
-    metavar="KEY=VALUE",
-    help="Override a config field, e.g. --set serving.http_port=9000 (repeatable).",
-)
+@overrides_option("serving.http_port=9000")
 @click.option(
     "--host", help="Bind address [serving.host, 127.0.0.1]. 0.0.0.0 exposes the server to the network."
 )

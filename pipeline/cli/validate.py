@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from pipeline.artifacts import MANIFEST_NAME
-from pipeline.cli.options import CONTEXT
+from pipeline.cli.options import CONTEXT, overrides_option
 from pipeline.config.build_config import BuildConfig, load_build_config
 from pipeline.config.workdir import resolve_workdir, stage_output_dir
 from pipeline.stages.chain import STAGES, built_output
@@ -29,13 +29,7 @@ from pipeline.stages.runner import run_stage
     help="Also write a bar chart of the gated metrics, one bar per CONFIG, to "
     "build/<first config's name>/validation.png (needs matplotlib).",
 )
-@click.option(
-    "--set",
-    "overrides",
-    multiple=True,
-    metavar="KEY=VALUE",
-    help="Override a config field, e.g. --set validation.num_samples=4 (repeatable).",
-)
+@overrides_option("validation.num_samples=4")
 @click.option(
     "--force", is_flag=True, help="Measure again even when this engine and config were already validated."
 )
