@@ -178,41 +178,6 @@ def test_metrics_endpoint_shows_engine_gauges_and_latencies(streaming: TritonSer
     assert metric(values, "nv_inference_request_success", model="ensemble") >= 1
 
 
-def _thread_nices(pid: int) -> set[int]:
-    return {
-        int((task / "stat").read_text().rsplit(")", 1)[1].split()[16])
-        for task in Path(f"/proc/{pid}/task").iterdir()
-    }
-
-
-def _children(pid: int) -> dict[str, int]:
-    """Model name -> stub pid, from the stubs' command lines (they name their model.py)."""
-    out = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            command = (entry / "cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        match = re.search(r"model_repo/([A-Za-z_]+)/1/model\.py", command)
-        if ppid == pid and match:
-            out[match.group(1)] = int(entry.name)
-    return out
-
-
-@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads Linux /proc")
-def test_the_front_end_yields_to_the_engine(streaming: TritonServer) -> None:
-    assert streaming.process is not None
-    stubs = _children(streaming.process.pid)
-    assert set(stubs) == {"preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls"}
-    assert _thread_nices(streaming.process.pid) == {19}
-    for model in ("preprocessing", "postprocessing", "tensorrt_llm_bls"):
-        assert _thread_nices(stubs[model]) == {19}, model
-    assert _thread_nices(stubs["tensorrt_llm"]) == {0}
-
-
 def test_bad_requests_are_client_errors_naming_the_input(streaming: TritonServer) -> None:
     http = HttpClient(streaming.http_url)
     with pytest.raises(ServingError, match=r"HTTP 400.*input 'max_tokens'=0: must be >= 1"):
