@@ -45,8 +45,7 @@ from pipeline.bench.load import RunResult, Target, run_closed_loop  # noqa: E402
 from pipeline.bench.metrics import percentile, ttft  # noqa: E402
 from pipeline.bench.requests import BenchRequest  # noqa: E402
 from pipeline.bench.workloads import LengthSpec, shipped_prompts, synthetic, tokenize  # noqa: E402
-from pipeline.config.build_config import load_build_config  # noqa: E402
-from pipeline.errors import ConfigError, PipelineError, run_script  # noqa: E402
+from pipeline.errors import PipelineError, run_script  # noqa: E402
 
 # precision -> (build config, overrides); int4 has no config file of its own
 BUILDS: dict[str, tuple[str, list[str]]] = {
@@ -147,20 +146,6 @@ def _ttft_runs(
         if ttfts:
             keys["llmpipe.fp32.ttft_p95_c16_prompt256_s"] = percentile(ttfts, 95)
     return [c1, c16], keys
-
-
-def _applies_chat_template() -> bool:
-    """Whether the builds' deployments wrap text prompts in the chat template; they must agree."""
-    flags = {
-        p: load_build_config(cfg, overrides).serving.apply_chat_template
-        for p, (cfg, overrides) in BUILDS.items()
-    }
-    if len(set(flags.values())) > 1:
-        raise ConfigError(
-            f"the benchmark's builds disagree on serving.apply_chat_template ({flags})",
-            hint="served rows would prefill other prompts than in-process ones: set it alike in their configs",
-        )
-    return next(iter(flags.values()))
 
 
 def _serve(build: Build) -> Any:
@@ -303,12 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.stages.fetch import gguf_file
 
     tokenizer = AutoTokenizer.from_pretrained(base.hf_dir)
-    # Every system gets the ids the served ensemble computes from the text (its chat template), so the
-    # in-process, served and peer rows prefill the same prompts.
-    chat_template = _applies_chat_template()
-    batch = tokenize(
-        shipped_prompts(output_tokens=args.output_tokens)[: args.requests], tokenizer, chat_template
-    )
+    # SmolLM2-Instruct: every prompt is one user turn of its chat template, on every system (the served
+    # ensemble is asked to apply it), so the in-process, served and peer rows prefill the same ids.
+    batch = tokenize(shipped_prompts(output_tokens=args.output_tokens)[: args.requests], tokenizer, True)
     wl = {
         "batch": batch,
         "single": batch[: args.single_requests],

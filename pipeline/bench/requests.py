@@ -13,6 +13,9 @@ class BenchRequest:
     output_tokens: int  # intended output length (sent as max_tokens, and min_tokens when forced)
     input_ids: tuple[int, ...] | None = None
     prompt: str | None = None
+    # The ids are `prompt` as one user turn of the tokenizer's chat template: servers that take text are
+    # asked to apply it (apply_chat_template), so every target prefills the same ids.
+    chat: bool = False
 
     @property
     def num_input_tokens(self) -> int:

@@ -136,21 +136,21 @@ def shipped_prompts(output_tokens: int | None = None) -> list[BenchRequest]:
 
 def chat_ids(tokenizer: Tokenizer, text: str) -> list[int]:
     """`text` as one user turn of the tokenizer's chat template, ready for the assistant's answer: the ids
-    the serving preprocessing (serving.apply_chat_template) sends the engine."""
+    the serving preprocessing sends the engine for a request with apply_chat_template."""
     from pipeline.serving.triton_models.tokenization import PromptEncoder
 
-    return PromptEncoder(tokenizer, end_ids=[], apply_chat_template=True).encode_prompt(text)
+    return PromptEncoder(tokenizer, end_ids=[]).encode_prompt(text, chat=True)
 
 
 def tokenize(
     requests: list[BenchRequest], tokenizer: Tokenizer | None, chat_template: bool = False
 ) -> list[BenchRequest]:
     """Give every request both forms: ids for engines that take ids, text for endpoints that take text.
-    With `chat_template` (a deployment with serving.apply_chat_template), text prompts become ids through
-    the tokenizer's chat template, as the serving preprocessing would turn them; the text stays as written."""
+    With `chat_template`, text prompts become ids through the tokenizer's chat template, as the serving
+    preprocessing turns them for a request with apply_chat_template; the text stays as written."""
     out = []
     for r in requests:
-        ids, prompt = r.input_ids, r.prompt
+        ids, prompt, chat = r.input_ids, r.prompt, r.chat
         if ids is None:
             if tokenizer is None:
                 raise ConfigError(
@@ -161,14 +161,14 @@ def tokenize(
                 from pipeline.serving.triton_models.io import InvalidInputError
 
                 try:
-                    ids = tuple(chat_ids(tokenizer, prompt or ""))
+                    ids, chat = tuple(chat_ids(tokenizer, prompt or "")), True
                 except InvalidInputError as err:  # an empty prompt, which the server would refuse too
                     raise ConfigError(f"request {r.index}: {err}") from None
             else:
                 ids = tuple(tokenizer.encode(prompt or "", add_special_tokens=False))
         if prompt is None and tokenizer is not None:
             prompt = tokenizer.decode(list(ids), skip_special_tokens=False)
-        out.append(replace(r, input_ids=ids, prompt=prompt))
+        out.append(replace(r, input_ids=ids, prompt=prompt, chat=chat))
     return out
 
 

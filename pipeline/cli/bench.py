@@ -142,6 +142,12 @@ _URL = re.compile(r"^([a-z]+://)?[\w.-]+:\d+/?$")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the workload and the arrivals.")
 @click.option("--no-plots", is_flag=True, help="Skip the PNG plots (matplotlib not needed then).")
 @click.option("--no-progress", is_flag=True, help="No progress bar (for logs).")
+@click.option(
+    "--chat-template",
+    is_flag=True,
+    help="Send text prompts as one user turn of the tokenizer's chat template (apply_chat_template), to "
+    "every target alike.",
+)
 @overrides_option("engine.max_batch_size=8")
 def bench(
     target: str,
@@ -170,6 +176,7 @@ def bench(
     seed: int,
     no_plots: bool,
     no_progress: bool,
+    chat_template: bool,
     overrides: tuple[str, ...],
 ) -> None:
     """Benchmark serving: TTFT, ITL, TPOT, e2e latency (mean/p50/p90/p95/p99), output tokens/s, requests/s.
@@ -229,7 +236,7 @@ def bench(
         LengthSpec(output_mean, output_stdev) if output_mean is not None else None,
         seed,
         tokenizer,
-        chat_template=cfg is not None and cfg.serving.apply_chat_template,
+        chat_template=chat_template,
     )
     if precision is None and cfg is not None:
         precision = builds.PRECISION_OF_MODE.get(cfg.quantization.mode)

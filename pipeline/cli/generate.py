@@ -70,6 +70,12 @@ from pipeline.serving.client import (
     "--include-input", is_flag=True, help="Return the prompt followed by the answer (non-streaming)."
 )
 @click.option(
+    "--chat",
+    is_flag=True,
+    help="Send PROMPT as one user turn of the model's chat template (for instruct models); without it the "
+    "text goes to the model as written, as tensorrtllm_backend does.",
+)
+@click.option(
     "--json", "as_json", is_flag=True, help="Print one JSON object: text, chunks, log-probs, timings."
 )
 @click.option(
@@ -95,6 +101,7 @@ def generate(
     end_id: int | None,
     return_log_probs: bool,
     include_input: bool,
+    chat: bool,
     as_json: bool,
     timeout: float,
 ) -> None:
@@ -105,7 +112,7 @@ def generate(
 
     \b
     Examples:
-      llmpipe generate "Write a haiku about GPUs" --stream
+      llmpipe generate "Write a haiku about GPUs" --stream --chat
       llmpipe generate "Write a haiku about GPUs" --top-k 40 --temperature 0.8 --seed 7
       llmpipe generate "List three colors:" --stop "4." --max-tokens 40 --json
       echo "Hello" | llmpipe generate - --http --model tensorrt_llm_bls
@@ -129,7 +136,8 @@ def generate(
         stop_words=stop_words,
         bad_words=bad_words,
         return_log_probs=True if return_log_probs else None,
-        exclude_input_in_output=False if include_input else None,
+        exclude_input_in_output=not include_input,  # upstream's default would echo the prompt
+        apply_chat_template=True if chat else None,
     )
     echo = not as_json
     if use_http:

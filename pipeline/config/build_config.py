@@ -237,13 +237,16 @@ class ServingSection(_Strict):
     )
     max_queue_delay_microseconds: int = Field(0, ge=0, description="Dynamic batcher delay.")
     max_queue_size: int = Field(64, ge=1, description="Requests Triton queues before answering 'queue full'.")
-    exclude_input_in_output: bool = Field(True, description="Return only the completion, not the prompt.")
+    exclude_input_in_output: bool = Field(
+        False,
+        description="Default of requests that do not send exclude_input_in_output: true returns only the "
+        "completion; false (tensorrtllm_backend's default) echoes the prompt before it.",
+    )
     preprocessing_instance_count: int = Field(1, ge=1, description="Tokenizer model instances.")
     postprocessing_instance_count: int = Field(1, ge=1, description="Detokenizer model instances.")
     bls_instance_count: int = Field(1, ge=1, description="BLS model instances.")
     add_special_tokens: bool = Field(True, description="Tokenizer adds BOS etc. to prompts.")
     skip_special_tokens: bool = Field(True, description="Detokenizer drops special tokens.")
-    apply_chat_template: bool = Field(False, description="Wrap text_input in the tokenizer's chat template.")
     request_timeout_s: float = Field(600.0, gt=0, description="Server-side limit on one request's life.")
 
     @model_validator(mode="after")

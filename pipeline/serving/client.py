@@ -51,7 +51,10 @@ class GenerationOptions:
     stop_words: tuple[str, ...] = ()
     bad_words: tuple[str, ...] = ()
     return_log_probs: bool | None = None
-    exclude_input_in_output: bool | None = None
+    # This client asks for the completion alone; None leaves it to the deployment, whose default
+    # (tensorrtllm_backend's) echoes the prompt before it.
+    exclude_input_in_output: bool | None = True
+    apply_chat_template: bool | None = None  # llmpipe's input: text_input as one user turn of the template
 
 
 @dataclass
@@ -94,6 +97,7 @@ _DATATYPES: dict[str, tuple[str, Any]] = {
     "frequency_penalty": ("FP32", np.float32), "min_tokens": ("INT32", np.int32), "end_id": ("INT32", np.int32),
     "pad_id": ("INT32", np.int32), "return_log_probs": ("BOOL", np.bool_),
     "exclude_input_in_output": ("BOOL", np.bool_), "return_perf_metrics": ("BOOL", np.bool_),
+    "apply_chat_template": ("BOOL", np.bool_),
     "min_length": ("INT32", np.int32), "runtime_top_k": ("INT32", np.int32),
     "input_ids": ("INT32", np.int32), "input_lengths": ("INT32", np.int32),
     "request_output_len": ("INT32", np.int32), "streaming": ("BOOL", np.bool_),

@@ -139,6 +139,7 @@ def _request(max_tokens: int, **extra: Any) -> pb.InferenceRequest:
     inputs = {
         "text_input": np.array([[PROMPT.encode()]], dtype=object),
         "max_tokens": np.array([[max_tokens]]),
+        "exclude_input_in_output": np.array([[True]]),  # the texts compared are the generated ones
     }
     inputs.update({k: np.array([[v]]) for k, v in extra.items()})
     return pb.make_request(inputs)
@@ -165,7 +166,7 @@ def test_rounds_follow_the_external_draft_contract_and_text_is_the_targets(
     bls: BlsModel, engines: StandInEngines
 ) -> None:
     prompt_ids = bls.encoder.encode_prompt(PROMPT)
-    responses = _run(bls, _request(20, return_perf_metrics=True))
+    responses = _run(bls, _request(20, return_perf_metrics=True, return_log_probs=True))
     expected = _greedy(prompt_ids, 20)
     assert _text(responses) == bls.encoder.tokenizer.decode(expected, skip_special_tokens=True)
 

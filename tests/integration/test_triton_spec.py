@@ -156,7 +156,7 @@ def test_ensemble_and_bls_pass_the_acceptance_outputs_on(
     greedy = SamplingParams(max_tokens=TEXT_TOKENS, temperature=0.0, end_id=encoder.end_id)
     plain = engines["plain"].generate([encoder.encode_prompt(TEXT_PROMPT)], greedy)[0]
     expected = encoder.tokenizer.decode(plain.output_token_ids, skip_special_tokens=True)
-    body = {"text_input": TEXT_PROMPT, "max_tokens": TEXT_TOKENS}
+    body = {"text_input": TEXT_PROMPT, "max_tokens": TEXT_TOKENS, "exclude_input_in_output": True}
 
     (whole,) = _http(server, model, {**body, "return_perf_metrics": True})
     assert whole["text_output"] == expected

@@ -52,7 +52,7 @@ def test_rendered_configs_follow_the_build_config(repo: Path) -> None:
     assert params["gpt_model_path"] == "engine" and params["max_tokens_in_paged_kv_cache"] == "16384"
     assert (
         params["batch_scheduler_policy"] == "guaranteed_no_evict"
-        and params["exclude_input_in_output"] == "true"
+        and params["exclude_input_in_output"] == "false"  # tensorrtllm_backend's default: echo the prompt
     )
     pre = {k: v.string_value for k, v in _config(repo, "preprocessing").parameters.items()}
     assert pre["tokenizer_dir"] == "tokenizer" and pre["max_input_len"] == "256"
@@ -116,7 +116,7 @@ def _templates(tmp_path: Path, model: str, old: str, new: str) -> Path:
             "tensorrt_llm",
             "data_type: TYPE_INT32 dims: [ -1 ] allow",
             "data_type: TYPE_INT33 dims: [ -1 ] allow",
-            "model 'tensorrt_llm': config.pbtxt line 14: field data_type value 'TYPE_INT33' is invalid (Enum type",
+            "model 'tensorrt_llm': config.pbtxt line 16: field data_type value 'TYPE_INT33' is invalid (Enum type",
         ),
         (
             "ensemble",

@@ -23,6 +23,7 @@ from pipeline.serving.triton_models.io import (  # noqa: E402
     engine_outputs,
     parse_engine_request,
     sequences_to_word_list,
+    split_rows,
     word_list_to_sequences,
 )
 from pipeline.serving.triton_models.postprocessing import postprocess  # noqa: E402
@@ -105,7 +106,6 @@ def test_input_lengths_slices_padded_ids_and_word_lists_parse() -> None:
         ({"repetition_penalty": [0.0]}, "repetition_penalty", "> 0"),
         ({"min_tokens": [9]}, "min_tokens", "[0, 8]"),
         ({"end_id": [5000]}, "end_id", "[-1, 2000)"),
-        ({"input_ids": [[1, 2], [3, 4]], "input_lengths": [2, 2]}, "input_ids", "one sequence per request"),
         ({"temperature": np.array([1], np.int8).astype(bool)}, "temperature", "wrong data type"),
         ({"stop_words_list": [[[1, 2], [5, -1]]]}, "stop_words_list", "end offsets"),
         ({"streaming": [True]}, "streaming", "not decoupled"),
@@ -140,6 +140,60 @@ def test_engine_outputs_have_tensorrt_llm_shapes() -> None:
     assert out["output_ids"].shape == (1, 1, 3) and out["output_ids"].dtype == np.int32
     assert out["sequence_length"].tolist() == [[3]] and out["cum_log_probs"].tolist() == [[-1.75]]
     assert out["output_log_probs"].shape == (1, 1, 3)
+
+
+def test_log_probs_are_sent_only_when_asked() -> None:
+    assert set(engine_outputs([7, 8], None, 0.0)) == {"output_ids", "sequence_length"}
+
+
+def test_upstream_v018_inputs_are_honoured_at_their_defaults() -> None:
+    # What NVIDIA's clients send: beam_width 1, num_return_sequences 1, false return_* flags, the v0.18
+    # names min_length and random_seed, an empty embedding bias, a decoder input.
+    parsed = _parse(
+        beam_width=[1], num_return_sequences=[1], return_context_logits=[False],
+        return_generation_logits=[False], return_kv_cache_reuse_stats=[False], min_length=[4],
+        random_seed=[7], len_penalty=[1.0], embedding_bias=np.zeros((1, 0), np.float32),
+        decoder_input_ids=[[0]], decoder_input_lengths=[1],
+    )  # fmt: skip
+    assert (parsed.params.min_tokens, parsed.params.seed) == (4, 7)
+
+
+@pytest.mark.parametrize(
+    ("inputs", "name", "fragment"),
+    [
+        ({"beam_width": [4]}, "beam_width", "no beam search"),
+        ({"num_return_sequences": [2]}, "num_return_sequences", "one sequence"),
+        ({"return_context_logits": [True]}, "return_context_logits", "does not return logits"),
+        ({"return_generation_logits": [True]}, "return_generation_logits", "does not return logits"),
+        ({"embedding_bias": np.ones((1, 2000), np.float32)}, "embedding_bias", "no embedding bias"),
+        ({"min_length": [3], "min_tokens": [4]}, "min_length", "disagrees with min_tokens=4"),
+    ],
+)
+def test_more_than_the_torch_engine_does_is_refused_naming_the_input(
+    inputs: dict, name: str, fragment: str
+) -> None:
+    with pytest.raises(InvalidInputError) as err:
+        _parse(**inputs)
+    assert f"input '{name}'" in str(err.value) and fragment in str(err.value)
+
+
+def test_a_request_of_several_rows_is_several_sequences_when_decoupled() -> None:
+    inputs = _req(input_ids=[[5, 6, 7], [8, 9, 0]], input_lengths=[[3], [2]], request_output_len=[[4], [4]])
+    rows = split_rows(inputs, decoupled=True)
+    prompts = [_parse_row(row).prompt_ids for row in rows]
+    assert prompts == [[5, 6, 7], [8, 9]]
+    with pytest.raises(InvalidInputError, match="input 'input_ids'=batch of 2: .*decoupled deployment"):
+        split_rows(inputs, decoupled=False)
+    with pytest.raises(
+        InvalidInputError, match="input 'request_output_len'=batch of 1: must match input_ids'"
+    ):
+        split_rows({**inputs, "request_output_len": np.array([[4]])}, decoupled=True)
+
+
+def _parse_row(row: dict[str, np.ndarray]) -> EngineRequest:
+    parsed = parse_engine_request(row, LIMITS, default_exclude_input=False, decoupled=True)
+    assert isinstance(parsed, EngineRequest)
+    return parsed
 
 
 # --- tokenization and detokenization ---
@@ -197,6 +251,9 @@ def test_preprocess_builds_tensorrt_llm_inputs(tokenizer_dir: Path, tokenizer: o
     assert word_list_to_sequences("s", out["STOP_WORDS_IDS"][0]) == (tuple(stop_ids),)
     assert word_list_to_sequences("b", out["BAD_WORDS_IDS"][0]) == ()
     assert out["OUT_END_ID"].tolist() == [[tokenizer.eos_token_id]]  # type: ignore[attr-defined]
+    # upstream's outputs for a decoder-only model: one pad id as the decoder input, no embedding bias
+    assert out["DECODER_INPUT_ID"].tolist() == out["OUT_PAD_ID"].tolist()
+    assert out["REQUEST_DECODER_INPUT_LEN"].tolist() == [[1]] and out["EMBEDDING_BIAS"].shape == (1, 0)
     with pytest.raises(InvalidInputError, match="input 'max_tokens'=60: prompt .* max_seq_len=64"):
         preprocess(
             encoder,
@@ -212,7 +269,7 @@ def test_postprocess_decodes_each_sequence_to_its_length(tokenizer: object) -> N
     ids = tokenizer.encode("hello world", add_special_tokens=False)  # type: ignore[attr-defined]
     tokens = np.array([[ids + [0, 0]]], dtype=np.int32)
     text = postprocess(tokenizer, tokens, np.array([[len(ids)]]), skip_special_tokens=True)
-    assert text.shape == (1, 1) and text[0, 0].decode() == "hello world"
+    assert text.shape == (1,) and text[0].decode() == "hello world"  # flat [batch * beam], as upstream
 
 
 # --- one request's responses ---
@@ -242,7 +299,7 @@ def test_non_streaming_reply_includes_prompt_when_asked() -> None:
     assert state.on_output(_output([7])).outputs is None
     reply = state.on_output(_output([8], True, "length"))
     assert reply.final and reply.outputs["output_ids"].reshape(-1).tolist() == [5, 6, 7, 8]
-    assert reply.outputs["output_log_probs"].shape == (1, 1, 2)
+    assert "output_log_probs" not in reply.outputs and "cum_log_probs" not in reply.outputs  # not asked
 
 
 def test_errors_and_timeouts_become_error_replies() -> None:

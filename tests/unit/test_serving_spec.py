@@ -131,7 +131,7 @@ def test_external_draft_tokens_are_refused_naming_the_input(engine_model: TorchE
         error = request.sender.sent[0][0].error()
         assert error.code() == pb.TritonError.INVALID_ARG
         assert f"input '{name}'" in error.message() and "backend trtllm" in error.message()
-    assert _wait(empty.sender)[0]["output_ids"].size == 4  # "no drafts" is a plain request
+    assert _wait(empty.sender)[0]["output_ids"].size == len(PROMPT) + 4  # "no drafts" is a plain request
 
 
 def test_bls_passes_the_acceptance_outputs_on(repo: Path, engine_model: TorchEngineModel) -> None:

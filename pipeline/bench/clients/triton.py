@@ -90,7 +90,15 @@ def _request_body(
     if model == "ensemble":
         if request.prompt is None:
             raise ValueError(f"request {request.index} has no prompt text (pass a tokenizer)")
-        body = request_json(request.prompt, GenerationOptions(max_tokens=request.output_tokens, stream=True))
+        # The log-probs (one per token) are how an ensemble response tells how many tokens it carries.
+        options = GenerationOptions(
+            max_tokens=request.output_tokens,
+            stream=True,
+            return_log_probs=True,
+            apply_chat_template=True if request.chat else None,
+        )
+        # Only what the served ensemble declares: other deployments (other releases) lack some inputs.
+        body = {k: v for k, v in request_json(request.prompt, options).items() if k in inputs.names}
     else:
         if request.input_ids is None:
             raise ValueError(f"request {request.index} has no input_ids")

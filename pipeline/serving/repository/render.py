@@ -121,7 +121,6 @@ def template_values(cfg: BuildConfig, engine_param_path: Path | None = None) -> 
         "tokenizer_dir": TOKENIZER_SUBDIR,
         "add_special_tokens": pbtxt_flag(serving.add_special_tokens),
         "skip_special_tokens": pbtxt_flag(serving.skip_special_tokens),
-        "apply_chat_template": pbtxt_flag(serving.apply_chat_template),
         "exclude_input_in_output": pbtxt_flag(serving.exclude_input_in_output),
         "max_input_len": str(engine.max_input_len),
         "max_seq_len": str(engine.max_seq_len),

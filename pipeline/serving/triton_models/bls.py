@@ -29,6 +29,7 @@ from pipeline.serving.triton_models.detokenizer import IncrementalDetokenizer
 from pipeline.serving.triton_models.io import (
     BLS_INPUTS,
     ENGINE_OUTPUTS,
+    LOG_PROB_OUTPUTS,
     SPEC_OUTPUTS,
     InvalidInputError,
     scalar,
@@ -39,8 +40,9 @@ from pipeline.serving.triton_models.preprocessing import preprocess
 from pipeline.serving.triton_models.tokenization import PromptEncoder
 
 CANCEL_CHECK_PERIOD_S = 0.05
-# What an engine call asks for unless the client set return_perf_metrics: ENGINE_OUTPUTS less SPEC_OUTPUTS.
-_TEXT_OUTPUTS = tuple(name for name in ENGINE_OUTPUTS if name not in SPEC_OUTPUTS)
+# What an engine call asks for: the tokens and log-probs, and SPEC_OUTPUTS when the client set
+# return_perf_metrics.
+_TEXT_OUTPUTS = ("output_ids", "sequence_length", *LOG_PROB_OUTPUTS)
 # client input -> preprocessing input (tokenized here)
 _TO_PREPROCESS = {
     "text_input": "QUERY",
@@ -49,6 +51,10 @@ _TO_PREPROCESS = {
     "stop_words": "STOP_WORDS_DICT",
     "end_id": "END_ID",
     "pad_id": "PAD_ID",
+    "decoder_text_input": "DECODER_QUERY",
+    "embedding_bias_words": "EMBEDDING_BIAS_WORDS",
+    "embedding_bias_weights": "EMBEDDING_BIAS_WEIGHTS",
+    "apply_chat_template": "APPLY_CHAT_TEMPLATE",
 }
 # preprocessing output -> tensorrt_llm input
 _FROM_PREPROCESS = {
@@ -59,6 +65,9 @@ _FROM_PREPROCESS = {
     "OUT_PAD_ID": "pad_id",
     "STOP_WORDS_IDS": "stop_words_list",
     "BAD_WORDS_IDS": "bad_words_list",
+    "DECODER_INPUT_ID": "decoder_input_ids",
+    "REQUEST_DECODER_INPUT_LEN": "decoder_input_lengths",
+    "EMBEDDING_BIAS": "embedding_bias",
 }
 # client input -> tensorrt_llm input, passed as sent
 _PASS_THROUGH = {
@@ -74,6 +83,14 @@ _PASS_THROUGH = {
     "stream": "streaming",
     "exclude_input_in_output": "exclude_input_in_output",
     "return_perf_metrics": "return_perf_metrics",
+    "min_length": "min_length",
+    "random_seed": "random_seed",
+    "beam_width": "beam_width",
+    "num_return_sequences": "num_return_sequences",
+    "length_penalty": "len_penalty",
+    "return_context_logits": "return_context_logits",
+    "return_generation_logits": "return_generation_logits",
+    "return_kv_cache_reuse_stats": "return_kv_cache_reuse_stats",
 }
 
 
@@ -85,6 +102,7 @@ class BlsPlan:
     exclude_input_in_output: bool
     num_draft_tokens: int | None = None  # the client's num_draft_tokens, when sent
     return_perf_metrics: bool = False
+    return_log_probs: bool = False
 
 
 def _flag(inputs: dict[str, np.ndarray], name: str, default: bool) -> bool:
@@ -120,6 +138,7 @@ def plan_request(
         exclude,
         num_draft_tokens=None if num_drafts is None else int(num_drafts),
         return_perf_metrics=_flag(inputs, "return_perf_metrics", False),
+        return_log_probs=_flag(inputs, "return_log_probs", False),
     )
 
 
@@ -173,11 +192,12 @@ class TextAssembler:
         return unsent
 
     def _outputs(self, text: str, log_probs: np.ndarray) -> dict[str, np.ndarray]:
-        return {
-            "text_output": tu.string_array([text], (1, 1)),
-            "cum_log_probs": self.cum_log_probs,
-            "output_log_probs": log_probs.reshape(1, 1, -1),
-        }
+        # text_output is flat, [batch * beam] = [1], as upstream's postprocessing and BLS return it.
+        outputs = {"text_output": tu.string_array([text], (1,))}
+        if self.plan.return_log_probs:
+            outputs["cum_log_probs"] = self.cum_log_probs
+            outputs["output_log_probs"] = log_probs.reshape(1, 1, -1)
+        return outputs
 
 
 class EngineCallError(Exception):
@@ -221,7 +241,6 @@ class BlsModel:
         self.encoder = PromptEncoder.from_dir(
             params.path("tokenizer_dir", tu.version_dir(args)),
             add_special_tokens=params.boolean("add_special_tokens", True),
-            apply_chat_template=params.boolean("apply_chat_template", False),
             max_input_len=params.optional_integer("max_input_len", minimum=1),
         )
 
@@ -289,7 +308,7 @@ class BlsModel:
         assembler = TextAssembler(self.encoder.tokenizer, plan, self.skip_special_tokens)
         cancelled, next_check = False, 0.0
         # The speculation counters only when the client asked for them (return_perf_metrics).
-        outputs = ENGINE_OUTPUTS if plan.return_perf_metrics else _TEXT_OUTPUTS
+        outputs = (*_TEXT_OUTPUTS, *SPEC_OUTPUTS) if plan.return_perf_metrics else _TEXT_OUTPUTS
         for response in self._responses(
             self._engine_request(plan.engine_inputs, request_id, outputs=outputs)
         ):

@@ -34,14 +34,16 @@ from pipeline.runtime.spec_decode.metrics import spec_decode_stats
 from pipeline.serving.triton_models import triton_utils as tu
 from pipeline.serving.triton_models.io import (
     ENGINE_INPUTS,
+    EngineRequest,
     InvalidInputError,
     RequestLimits,
     StopRequest,
     engine_outputs,
     parse_engine_request,
+    split_rows,
 )
 from pipeline.serving.triton_models.metrics import EngineMetricsExporter
-from pipeline.serving.triton_models.streams import RequestState
+from pipeline.serving.triton_models.streams import RequestState, ResponseGroup
 
 _SHUTDOWN = object()
 # The shortest pause of the responder between cancellation checks (cancellation_check_period_ms=0 means
@@ -142,7 +144,7 @@ class TorchEngineModel:
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._states: dict[str, RequestState] = {}  # engine request id -> state
-        self._by_triton_id: dict[str, str] = {}  # client's request id -> engine request id (for `stop`)
+        self._by_triton_id: dict[str, list[str]] = {}  # client's request id -> its rows' engine ids (`stop`)
         self._triton_ids: dict[str, str] = {}  # the reverse
         # Bounded: a full queue blocks the engine thread in its output callback, so the engine stays within
         # a few steps of what reached the clients. Unbounded, a fast engine (the tiny test model) ran hundreds
@@ -162,17 +164,21 @@ class TorchEngineModel:
     def _enqueue(self, request: Any) -> None:
         sender = request.get_response_sender()
         try:
-            parsed = parse_engine_request(
-                tu.request_inputs(request, ENGINE_INPUTS),
-                self.limits,
-                default_exclude_input=self.settings.exclude_input_in_output,
-                decoupled=self.decoupled,
-            )
+            rows = split_rows(tu.request_inputs(request, ENGINE_INPUTS), decoupled=self.decoupled)
+            parsed = [
+                parse_engine_request(
+                    row,
+                    self.limits,
+                    default_exclude_input=self.settings.exclude_input_in_output,
+                    decoupled=self.decoupled,
+                )
+                for row in rows
+            ]
         except InvalidInputError as err:
             _send(sender, tu.error_response(str(err)), final=True)
             return
         triton_id = request.request_id()
-        if isinstance(parsed, StopRequest):
+        if any(isinstance(row, StopRequest) for row in parsed):
             if not triton_id:  # tensorrtllm_backend refuses it too: nothing tells which request to stop
                 message = "names no request: send it with the request id of the request to cancel"
                 _send(sender, tu.error_response(str(InvalidInputError("stop", True, message))), final=True)
@@ -180,6 +186,14 @@ class TorchEngineModel:
             self._stop(triton_id)
             _send(sender, tu.make_response(engine_outputs([], None, 0.0)), final=True)
             return
+        group = ResponseGroup(len(parsed))
+        for index, row in enumerate(parsed):
+            assert isinstance(row, EngineRequest)
+            self._submit(row, sender, triton_id, group, index if len(parsed) > 1 else None)
+
+    def _submit(
+        self, parsed: EngineRequest, sender: Any, triton_id: str, group: ResponseGroup, row: int | None
+    ) -> None:
         engine_id = f"{triton_id or 'request'}#{next(self._ids)}"
         state = RequestState(
             engine_id,
@@ -187,11 +201,13 @@ class TorchEngineModel:
             sender,
             self.tokenizer,
             timeout_s=self.settings.request_timeout_s,
+            row=row,
+            group=group,
         )
         with self._lock:
             self._states[engine_id] = state
             if triton_id:
-                self._by_triton_id[triton_id] = engine_id
+                self._by_triton_id.setdefault(triton_id, []).append(engine_id)
                 self._triton_ids[engine_id] = triton_id
         try:
             self.engine.submit(
@@ -203,29 +219,33 @@ class TorchEngineModel:
             )
         except Exception as err:
             self._forget(engine_id)
+            final = group.finish_one()
             if isinstance(err, QueueFullError):
-                _send(sender, tu.unavailable_response(f"{err} ({err.hint})"), final=True)
+                _send(sender, tu.unavailable_response(f"{err} ({err.hint})"), final=final)
             elif isinstance(err, ValueError | PipelineError):
                 _send(
                     sender,
                     tu.error_response(str(err), invalid_argument=isinstance(err, ValueError)),
-                    final=True,
+                    final=final,
                 )
             else:
                 raise
 
     def _stop(self, triton_id: str) -> None:
         with self._lock:
-            engine_id = self._by_triton_id.get(triton_id) if triton_id else None
-        if engine_id is not None:
+            engine_ids = list(self._by_triton_id.get(triton_id, ())) if triton_id else []
+        for engine_id in engine_ids:
             self.engine.abort(engine_id)
 
     def _forget(self, engine_id: str) -> RequestState | None:
         with self._lock:
             state = self._states.pop(engine_id, None)
             triton_id = self._triton_ids.pop(engine_id, None)
-            if triton_id is not None and self._by_triton_id.get(triton_id) == engine_id:
-                del self._by_triton_id[triton_id]
+            siblings = self._by_triton_id.get(triton_id, []) if triton_id is not None else []
+            if engine_id in siblings:
+                siblings.remove(engine_id)
+                if not siblings:
+                    del self._by_triton_id[triton_id]  # type: ignore[arg-type]
         return state
 
     # --- responder thread: every send and every metric update happens here ---
@@ -279,10 +299,11 @@ class TorchEngineModel:
             self.metrics.count_finished(output.finish_reason)
             if output.stats is not None:
                 self.metrics.count_speculation(spec_decode_stats(output.stats, output.num_output_tokens))
+        final = reply.final and state.group.finish_one()
         if reply.error is not None:
-            _send(state.sender, tu.error_response(reply.error, invalid_argument=False), final=True)
+            _send(state.sender, tu.error_response(reply.error, invalid_argument=False), final=final)
         elif reply.outputs is not None:
-            _send(state.sender, tu.make_response(reply.outputs), final=reply.final)
+            _send(state.sender, tu.make_response(reply.outputs), final=final)
 
     def finalize(self) -> None:
         self.engine.shutdown()  # unfinished requests end with "abort" outputs, answered below

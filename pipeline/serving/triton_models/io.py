@@ -1,9 +1,11 @@
 """The `tensorrt_llm` model's tensors <-> (prompt ids, SamplingParams) and back. Pure: numpy in, numpy out.
 
 Tensor names, types and meanings are tensorrtllm_backend's (triton-inference-server/tensorrtllm_backend:
-all_models/inflight_batcher_llm/tensorrt_llm/config.pbtxt@v0.18.0), so a client written for
-TensorRT-LLM works unchanged against the torch engine. Every input arrives with Triton's batch dimension
-first; one request carries one sequence.
+all_models/inflight_batcher_llm/tensorrt_llm/config.pbtxt@86542b6, tag v0.18.0, plus the names later
+releases gave some of them: min_tokens, seed, return_perf_metrics), so a client written for TensorRT-LLM
+works unchanged against the torch engine. Every input arrives with Triton's batch dimension first; a
+request of several rows is several sequences (`split_rows`), answered one response stream per row with
+`batch_index`, as tensorrtllm_backend does.
 """
 
 from __future__ import annotations
@@ -26,23 +28,52 @@ ENGINE_INPUTS: dict[str, str] = {
     "min_tokens": "i", "seed": "u", "return_log_probs": "b", "streaming": "b", "stop": "b",
     "exclude_input_in_output": "b", "return_perf_metrics": "b",
     "draft_input_ids": "i", "draft_logits": "f", "draft_acceptance_threshold": "f",
+    # tensorrtllm_backend v0.18's names and inputs: honoured at their default, refused beyond what the
+    # torch engine does (UNSUPPORTED_AT_DEFAULT says what each may be).
+    "min_length": "i", "random_seed": "u", "beam_width": "i", "num_return_sequences": "i",
+    "len_penalty": "f", "early_stopping": "b", "return_context_logits": "b", "return_generation_logits": "b",
+    "return_kv_cache_reuse_stats": "b", "embedding_bias": "f", "decoder_input_ids": "i",
+    "decoder_input_lengths": "i",
 }  # fmt: skip
+# Inputs the torch engine honours only at upstream's default: (allowed value, why anything else is refused).
+UNSUPPORTED_AT_DEFAULT: dict[str, tuple[object, str]] = {
+    "beam_width": (1, "the torch engine has no beam search: send 1"),
+    "num_return_sequences": (1, "the torch engine returns one sequence per request: send 1"),
+    "return_context_logits": (False, "the torch engine does not return logits: send false"),
+    "return_generation_logits": (False, "the torch engine does not return logits: send false"),
+    "return_kv_cache_reuse_stats": (
+        False,
+        "the torch engine does not report per-request KV reuse: send false",
+    ),
+}
+# Upstream's older name -> the name the torch engine reads (both are accepted; sending both must agree).
+ALIASES = {"min_length": "min_tokens", "random_seed": "seed"}
 # External draft tokens (TensorRT-LLM's draft-target flow, fed by the BLS): the torch engine drafts for
 # itself, so it refuses these rather than silently decoding without them.
 DRAFT_INPUTS = ("draft_input_ids", "draft_logits", "draft_acceptance_threshold")
 # TensorRT-LLM's per-request speculative-decoding outputs, sent with the final response when the request
 # sets return_perf_metrics (as tensorrtllm_backend does).
 SPEC_OUTPUTS = ("acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens")
-ENGINE_OUTPUTS = ("output_ids", "sequence_length", "cum_log_probs", "output_log_probs", *SPEC_OUTPUTS)
+# output_ids first: tensorrtllm_backend's benchmark client reads the first output's shape as [1, beam, len].
+LOG_PROB_OUTPUTS = ("cum_log_probs", "output_log_probs")
+UPSTREAM_OUTPUTS = (
+    "context_logits", "generation_logits", "batch_index", "sequence_index",
+    "kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks",
+)  # fmt: skip
+ENGINE_OUTPUTS = ("output_ids", "sequence_length", *LOG_PROB_OUTPUTS, *SPEC_OUTPUTS, *UPSTREAM_OUTPUTS)
 # The ensemble's and the BLS's tensors (tensorrtllm_backend's names), what clients send and receive.
 CLIENT_INPUTS = (
     "text_input", "max_tokens", "bad_words", "stop_words", "end_id", "pad_id", "top_k", "top_p", "temperature",
     "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens", "seed", "return_log_probs",
     "stream", "exclude_input_in_output", "return_perf_metrics",
+    "decoder_text_input", "num_return_sequences", "length_penalty", "min_length", "random_seed",
+    "return_context_logits", "return_generation_logits", "return_kv_cache_reuse_stats", "beam_width",
+    "embedding_bias_words", "embedding_bias_weights",
+    "apply_chat_template",  # llmpipe's: format text_input with the tokenizer's chat template
 )  # fmt: skip
 # The BLS also takes the draft length of its draft-target loop (tensorrtllm_backend's BLS input).
 BLS_INPUTS = (*CLIENT_INPUTS, "num_draft_tokens")
-CLIENT_OUTPUTS = ("text_output", "cum_log_probs", "output_log_probs", *SPEC_OUTPUTS)
+CLIENT_OUTPUTS = ("text_output", *LOG_PROB_OUTPUTS, *SPEC_OUTPUTS, *UPSTREAM_OUTPUTS)
 SAMPLING_INPUTS = ("runtime_top_k", "runtime_top_p", "temperature")
 
 
@@ -100,12 +131,26 @@ def _array(inputs: Inputs, name: str) -> np.ndarray | None:
         )
     if array.ndim == 0 or array.shape[0] != 1:
         batch = array.shape[0] if array.ndim else 0
-        raise InvalidInputError(
-            name,
-            f"batch of {batch}",
-            "one sequence per request (batch dimension 1); send several requests and the engine batches them",
-        )
+        raise InvalidInputError(name, f"batch of {batch}", "must match the request's other inputs' batch")
     return array[0]
+
+
+def split_rows(inputs: Inputs, *, decoupled: bool) -> list[dict[str, np.ndarray]]:
+    """A request's tensors, one dict per row (batch dimension 1 each). Rows are separate sequences; like
+    tensorrtllm_backend, more than one needs a decoupled deployment (one response stream per row)."""
+    batches = {name: np.asarray(v).shape[0] for name, v in inputs.items() if np.asarray(v).ndim}
+    batch = batches.get("input_ids", max(batches.values(), default=1))
+    for name, size in sorted(batches.items()):
+        if size != batch:
+            raise InvalidInputError(name, f"batch of {size}", f"must match input_ids' batch of {batch}")
+    if batch > 1 and not decoupled:
+        raise InvalidInputError(
+            "input_ids",
+            f"batch of {batch}",
+            "more than one sequence per request needs a decoupled deployment (serving.decoupled=true); "
+            "or send one request per sequence",
+        )
+    return [{name: np.asarray(v)[row : row + 1] for name, v in inputs.items()} for row in range(batch)]
 
 
 _TYPE_NAMES = {"i": "INT32", "u": "UINT64", "f": "FP32", "b": "BOOL"}
@@ -232,7 +277,8 @@ def parse_engine_request(
         f"prompt ({len(prompt)} tokens) + request_output_len exceeds the engine's "
         f"max_seq_len={limits.max_seq_len}; ask for at most {limits.max_seq_len - len(prompt)}",
     )
-    min_tokens = scalar(inputs, "min_tokens") or 0
+    _refuse_beyond_default(inputs)
+    min_tokens = _aliased(inputs, "min_length") or 0
     _check_range("min_tokens", min_tokens, 0 <= min_tokens <= max_tokens, f"must be in [0, {max_tokens}]")
     end_id = scalar(inputs, "end_id")
     if end_id is not None:
@@ -244,7 +290,7 @@ def parse_engine_request(
         _check_range(
             "pad_id", pad_id, -1 <= pad_id < limits.vocab_size, f"must be in [-1, {limits.vocab_size})"
         )
-    seed = scalar(inputs, "seed")
+    seed = _aliased(inputs, "random_seed")
     if seed is not None:
         _check_range("seed", seed, seed >= 0, "must be >= 0")
     streaming = bool(scalar(inputs, "streaming") or False)
@@ -287,6 +333,27 @@ def parse_engine_request(
     )
 
 
+def _aliased(inputs: Inputs, old_name: str) -> float | int | bool | None:
+    """The value of an input that upstream renamed, sent under either name."""
+    new_name = ALIASES[old_name]
+    old, new = scalar(inputs, old_name), scalar(inputs, new_name)
+    if old is not None and new is not None and old != new:
+        raise InvalidInputError(old_name, old, f"disagrees with {new_name}={new}: send one of them")
+    return new if new is not None else old
+
+
+def _refuse_beyond_default(inputs: Inputs) -> None:
+    for name, (default, why) in UNSUPPORTED_AT_DEFAULT.items():
+        value = scalar(inputs, name)
+        if value is not None and value != default:
+            raise InvalidInputError(name, value, why)
+    bias = _array(inputs, "embedding_bias")
+    if bias is not None and np.any(bias):
+        raise InvalidInputError(
+            "embedding_bias", "(non-zero)", "the torch engine has no embedding bias: send none (or zeros)"
+        )
+
+
 def _refuse_external_drafts(inputs: Inputs) -> None:
     """An empty draft_input_ids means "no drafts" and passes; anything else is TensorRT-LLM's flow."""
     for name in DRAFT_INPUTS:
@@ -313,15 +380,19 @@ def speculative_outputs(num_draft_tokens: int, num_accepted_draft_tokens: int) -
 def engine_outputs(
     token_ids: Sequence[int], logprobs: Sequence[float] | None, cum_log_prob: float
 ) -> dict[str, np.ndarray]:
-    """One response's tensors: `[batch=1, beam=1, ...]` like tensorrtllm_backend's."""
+    """One response's tensors: `[batch=1, beam=1, ...]` like tensorrtllm_backend's; the log-prob outputs
+    only when the request asked for them (`logprobs` not None)."""
     count = len(token_ids)
-    return {
+    outputs: dict[str, np.ndarray] = {
         "output_ids": np.asarray(token_ids, dtype=np.int32).reshape(1, 1, count),
         "sequence_length": np.array([[count]], dtype=np.int32),
-        "cum_log_probs": np.array([[cum_log_prob]], dtype=np.float32),
-        "output_log_probs": (
-            np.asarray(logprobs, dtype=np.float32).reshape(1, 1, -1)
-            if logprobs is not None
-            else np.zeros((1, 1, count), dtype=np.float32)
-        ),
     }
+    if logprobs is not None:
+        outputs["cum_log_probs"] = np.array([[cum_log_prob]], dtype=np.float32)
+        outputs["output_log_probs"] = np.asarray(logprobs, dtype=np.float32).reshape(1, 1, -1)
+    return outputs
+
+
+def batch_index(row: int) -> dict[str, np.ndarray]:
+    """The row of a several-sequence request that a response belongs to (tensorrtllm_backend's output)."""
+    return {"batch_index": np.array([[row]], dtype=np.int32)}

@@ -1,4 +1,5 @@
-"""The `postprocessing` model: TOKENS_BATCH [batch, beam, len] + SEQUENCE_LENGTH [batch, beam] -> OUTPUT text.
+"""The `postprocessing` model: TOKENS_BATCH [batch, beam, len] + SEQUENCE_LENGTH [batch, beam] -> OUTPUT, the
+texts as a flat [batch * beam] array (tensorrtllm_backend's shape: clients read `text_output[0]`).
 
 Stateless, like tensorrtllm_backend's: each response is decoded on its own. That is exact for a whole
 output and for streamed chunks that end on a character boundary, which the torch `tensorrt_llm` model
@@ -20,7 +21,7 @@ from pipeline.serving.triton_models.tokenization import load_tokenizer
 def postprocess(
     tokenizer: Any, tokens: np.ndarray, lengths: np.ndarray, skip_special_tokens: bool
 ) -> np.ndarray:
-    """Decode each `tokens[b, beam, :lengths[b, beam]]`; returns a [batch, beam] STRING array."""
+    """Decode each `tokens[b, beam, :lengths[b, beam]]`; returns a flat [batch * beam] STRING array."""
     if tokens.ndim == 2:  # [batch, len]: a single beam
         tokens = tokens[:, None, :]
     lengths = np.asarray(lengths).reshape(tokens.shape[0], -1)
@@ -38,7 +39,7 @@ def postprocess(
                 raise InvalidInputError("SEQUENCE_LENGTH", count, f"must be in [0, {tokens.shape[2]}]")
             ids = tokens[b, beam, :count].tolist()
             texts.append(tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
-    return tu.string_array(texts, (tokens.shape[0], tokens.shape[1]))
+    return tu.string_array(texts, (tokens.shape[0] * tokens.shape[1],))
 
 
 class PostprocessingModel:

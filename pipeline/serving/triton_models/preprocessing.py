@@ -1,7 +1,11 @@
 """The `preprocessing` model: text_input, stop/bad words, end/pad ids -> the tensorrt_llm model's tensors.
 
-I/O names are tensorrtllm_backend's (QUERY -> INPUT_ID, ...). Each row of a request is tokenized alone;
-rows of different lengths are right-padded with the pad id (REQUEST_INPUT_LEN holds the real lengths).
+I/O names and behaviour are tensorrtllm_backend's (QUERY -> INPUT_ID, ...;
+all_models/inflight_batcher_llm/preprocessing@86542b6): text_input is tokenized as sent, never through a
+chat template unless the request sets APPLY_CHAT_TEMPLATE (llmpipe's input). Each row of a request is
+tokenized alone; rows of different lengths are right-padded with the pad id (REQUEST_INPUT_LEN holds the
+real lengths). A decoder-only model has no decoder input: DECODER_INPUT_ID is one pad id per row, as
+upstream sends when DECODER_QUERY is absent. EMBEDDING_BIAS is upstream's vocabulary-sized bias per row.
 """
 
 from __future__ import annotations
@@ -14,7 +18,10 @@ from pipeline.serving.triton_models import triton_utils as tu
 from pipeline.serving.triton_models.io import InvalidInputError
 from pipeline.serving.triton_models.tokenization import PromptEncoder, decode_text
 
-INPUTS = ("QUERY", "REQUEST_OUTPUT_LEN", "BAD_WORDS_DICT", "STOP_WORDS_DICT", "END_ID", "PAD_ID")
+INPUTS = (
+    "QUERY", "REQUEST_OUTPUT_LEN", "BAD_WORDS_DICT", "STOP_WORDS_DICT", "END_ID", "PAD_ID", "DECODER_QUERY",
+    "EMBEDDING_BIAS_WORDS", "EMBEDDING_BIAS_WEIGHTS", "APPLY_CHAT_TEMPLATE",
+)  # fmt: skip
 
 
 def _rows(array: np.ndarray | None, batch: int, name: str) -> list[Any]:
@@ -65,6 +72,27 @@ def _check_output_len(values: np.ndarray, prompts: list[list[int]], max_seq_len:
     return lengths.astype(np.int32)
 
 
+def _embedding_bias(
+    encoder: PromptEncoder, words: np.ndarray | None, weights: np.ndarray | None, batch: int
+) -> np.ndarray:
+    """Per row, a vocabulary-sized bias: each word's weight added at each of its token ids; [batch, 0] when
+    the request sends no words."""
+    if words is None or weights is None:
+        return np.zeros((batch, 0), dtype=np.float32)
+    vocab = len(encoder.tokenizer)
+    out = np.zeros((batch, vocab), dtype=np.float32)
+    for row, (row_words, row_weights) in enumerate(zip(words, weights, strict=True)):
+        texts = _words("embedding_bias_words", row_words)
+        values = np.asarray(row_weights, dtype=np.float32).reshape(-1)
+        if len(texts) != values.size:
+            raise InvalidInputError(
+                "embedding_bias_weights", f"{values.size} weights", f"needs one per word ({len(texts)} words)"
+            )
+        for text, weight in zip(texts, values, strict=True):
+            out[row, list(encoder.encode_word(text))] += weight
+    return out
+
+
 def preprocess(
     encoder: PromptEncoder, inputs: dict[str, np.ndarray], max_seq_len: int | None = None
 ) -> dict[str, np.ndarray]:
@@ -83,11 +111,13 @@ def preprocess(
         _rows(inputs.get("BAD_WORDS_DICT"), batch, "bad_words"),
         _rows(inputs.get("END_ID"), batch, "end_id"),
         _rows(inputs.get("PAD_ID"), batch, "pad_id"),
+        _rows(inputs.get("APPLY_CHAT_TEMPLATE"), batch, "apply_chat_template"),
         strict=True,
     )
-    for text_row, stop_row, bad_row, end_row, pad_row in rows:
+    for text_row, stop_row, bad_row, end_row, pad_row, chat_row in rows:
         text = decode_text("text_input", np.asarray(text_row).reshape(-1)[0])
-        prompts.append(encoder.encode_prompt(text))
+        chat = chat_row is not None and bool(np.asarray(chat_row).reshape(-1)[0])
+        prompts.append(encoder.encode_prompt(text, chat=chat))
         client_end = None if end_row is None else int(np.asarray(end_row).reshape(-1)[0])
         stops.append(
             encoder.word_list(_words("stop_words", stop_row), encoder.default_stop_sequences(client_end))
@@ -103,6 +133,11 @@ def preprocess(
         "REQUEST_OUTPUT_LEN": _check_output_len(output_len, prompts, max_seq_len),
         "OUT_END_ID": np.array(end_ids, dtype=np.int32).reshape(batch, 1),
         "OUT_PAD_ID": np.array(pad_ids, dtype=np.int32).reshape(batch, 1),
+        "DECODER_INPUT_ID": np.array(pad_ids, dtype=np.int32).reshape(batch, 1),
+        "REQUEST_DECODER_INPUT_LEN": np.ones((batch, 1), dtype=np.int32),
+        "EMBEDDING_BIAS": _embedding_bias(
+            encoder, inputs.get("EMBEDDING_BIAS_WORDS"), inputs.get("EMBEDDING_BIAS_WEIGHTS"), batch
+        ),
     }
 
 
@@ -117,7 +152,6 @@ class PreprocessingModel:
         self.encoder = PromptEncoder.from_dir(
             params.path("tokenizer_dir", tu.version_dir(args)),
             add_special_tokens=params.boolean("add_special_tokens", True),
-            apply_chat_template=params.boolean("apply_chat_template", False),
             max_input_len=params.optional_integer("max_input_len", minimum=1),
         )
         self.max_seq_len = params.optional_integer("max_seq_len", minimum=2)

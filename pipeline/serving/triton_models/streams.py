@@ -16,7 +16,7 @@ import numpy as np
 
 from pipeline.runtime.core.outputs import RequestOutput
 from pipeline.serving.triton_models.detokenizer import IncrementalDetokenizer
-from pipeline.serving.triton_models.io import EngineRequest, engine_outputs, speculative_outputs
+from pipeline.serving.triton_models.io import EngineRequest, batch_index, engine_outputs, speculative_outputs
 
 
 @dataclass
@@ -31,6 +31,19 @@ class Reply:
     itl: list[float] = field(default_factory=list)
 
 
+class ResponseGroup:
+    """The sequences (rows) of one Triton request: they share its response sender, and only the last of
+    them to finish sends the final flag. Touched by the responder thread only."""
+
+    def __init__(self, size: int) -> None:
+        self.remaining = size
+
+    def finish_one(self) -> bool:
+        """Count one row as done; True when it was the last."""
+        self.remaining -= 1
+        return self.remaining == 0
+
+
 class RequestState:
     def __init__(
         self,
@@ -40,8 +53,12 @@ class RequestState:
         tokenizer: Any | None = None,
         arrival_time: float | None = None,
         timeout_s: float | None = None,
+        row: int | None = None,
+        group: ResponseGroup | None = None,
     ) -> None:
         self.engine_id = engine_id
+        self.row = row  # this sequence's row in a request of several (its responses carry batch_index)
+        self.group = group or ResponseGroup(1)
         self.request = request
         self.sender = sender
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
@@ -94,6 +111,8 @@ class RequestState:
             reply = Reply(None, final=False)
         if reply.final and reply.outputs is not None and self.request.return_perf_metrics:
             reply.outputs.update(self._speculative_outputs(output))
+        if reply.outputs is not None and self.row is not None:
+            reply.outputs.update(batch_index(self.row))
         self._latency(reply, len(output.new_token_ids), now)
         return reply
 
@@ -122,7 +141,4 @@ class RequestState:
             else self.request.prompt_ids + self.token_ids
         )
         logprobs = self.logprobs if self.request.params.logprobs else None
-        outputs = engine_outputs(tokens, logprobs, sum(logprobs or ()))
-        if logprobs is None:  # zeros, one per generated token (not per prompt token)
-            outputs["output_log_probs"] = np.zeros((1, 1, len(self.token_ids)), dtype=np.float32)
-        return outputs
+        return engine_outputs(tokens, logprobs, sum(logprobs or ()))

@@ -93,7 +93,6 @@ class PromptEncoder:
     tokenizer: Any
     end_ids: list[int]
     add_special_tokens: bool = True
-    apply_chat_template: bool = False
     max_input_len: int | None = None
     _word_cache: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
@@ -111,11 +110,15 @@ class PromptEncoder:
         pad = self.tokenizer.pad_token_id
         return int(pad) if pad is not None else self.end_id
 
-    def encode_prompt(self, text: str, name: str = "text_input") -> list[int]:
+    def encode_prompt(self, text: str, name: str = "text_input", chat: bool = False) -> list[int]:
+        """The prompt's ids: `text` as sent (tensorrtllm_backend's behaviour), or with `chat` as one user
+        turn of the tokenizer's chat template."""
         if not text:
             raise InvalidInputError(name, "''", "the prompt is empty")
         add_special = self.add_special_tokens
-        if self.apply_chat_template:
+        if chat:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise InvalidInputError("apply_chat_template", True, "the tokenizer has no chat template")
             text = self.tokenizer.apply_chat_template(
                 [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
             )
