@@ -10,6 +10,7 @@ ones, as their README pairs them."""
 from __future__ import annotations
 
 import queue
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -165,26 +166,26 @@ def test_upstream_names_and_log_probs_are_honoured(tiny_server: TritonServer, to
     )
 
 
-BIAS_WORD = {"embedding_bias_words": np.array([[b" the"]], dtype=object)}
-
-
-@pytest.mark.parametrize(
-    ("extra", "name", "fragment"),
-    [
-        ({"beam_width": np.array([[4]], dtype=np.int32)}, "beam_width", "no beam search"),
-        (
-            {**BIAS_WORD, "embedding_bias_weights": np.array([[2.0]], dtype=np.float32)},
-            "embedding_bias",
-            "no embedding bias",
-        ),
-    ],
-)
 def test_more_than_the_torch_engine_does_is_a_client_error_naming_the_input(
-    tiny_server: TritonServer, extra: dict[str, np.ndarray], name: str, fragment: str
+    tiny_server: TritonServer,
 ) -> None:
-    inputs = [i for i in _ensemble_inputs(PROMPT) if i.name() not in extra] + _inputs(**extra)
-    with pytest.raises(InferenceServerException, match=f"input '{name}'.*{fragment}"):
+    inputs = [i for i in _ensemble_inputs(PROMPT) if i.name() != "beam_width"]
+    inputs += _inputs(beam_width=np.array([[4]], dtype=np.int32))
+    with pytest.raises(InferenceServerException, match="input 'beam_width'=4: .*no beam search"):
         _stream(tiny_server.grpc_url, "ensemble", inputs)
+
+
+def test_embedding_bias_words_steer_every_token(tiny_server: TritonServer, tokenizer: Any) -> None:
+    # end_to_end_grpc_client.py --embedding-bias-words " Paris" --embedding-bias-weights 2.0, with a weight
+    # large enough that the biased token wins every step
+    word = tokenizer.encode(" Paris", add_special_tokens=False)
+    extra = {
+        "embedding_bias_words": np.array([[b" Paris"]], dtype=object),
+        "embedding_bias_weights": np.array([[1000.0]], dtype=np.float32),
+    }
+    (response,) = _stream(tiny_server.grpc_url, "ensemble", _ensemble_inputs(PROMPT, exclude=True, **extra))
+    pieces = "|".join(re.escape(tokenizer.decode([token])) for token in word)
+    assert re.fullmatch(f"({pieces})+", response.as_numpy("text_output")[0].decode())
 
 
 def test_batch_inputs_come_back_per_row_with_batch_index(

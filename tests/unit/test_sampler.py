@@ -58,6 +58,22 @@ def test_no_logprobs_unless_asked() -> None:
     assert Sampler()(random_logits(2), [make_row([1], [], temperature=0.0)] * 2)[1] is None
 
 
+def test_logit_bias_is_added_before_greedy_and_log_probs() -> None:
+    logits = random_logits(2)
+    loser = int(logits[0].argmin())
+    biased = make_row([1], [], temperature=0.0, logprobs=True, logit_bias=((loser, 1000.0),))
+    plain = make_row([1], [], temperature=0.0)
+    tokens, logprobs = Sampler()(logits, [biased, plain])
+    assert tokens == [loser, int(logits[1].argmax())]
+    shifted = logits[0].clone()
+    shifted[loser] += 1000.0
+    assert torch.equal(process_logits(logits[0], biased), shifted)
+    # log-probs stay the model's own (raw logits), as for every other logits processing
+    assert logprobs is not None and logprobs[0] == pytest.approx(
+        float(torch.log_softmax(logits[0], -1)[loser])
+    )
+
+
 def test_repetition_penalty_matches_hf() -> None:
     prompt, output = [3, 7, 7, 11], [20, 3]
     logits = random_logits()

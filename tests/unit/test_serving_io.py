@@ -165,7 +165,7 @@ def test_upstream_v018_inputs_are_honoured_at_their_defaults() -> None:
         ({"num_return_sequences": [2]}, "num_return_sequences", "one sequence"),
         ({"return_context_logits": [True]}, "return_context_logits", "does not return logits"),
         ({"return_generation_logits": [True]}, "return_generation_logits", "does not return logits"),
-        ({"embedding_bias": np.ones((1, 2000), np.float32)}, "embedding_bias", "no embedding bias"),
+        ({"embedding_bias": np.ones((1, 5), np.float32)}, "embedding_bias", "one per vocabulary id (2000)"),
         ({"min_length": [3], "min_tokens": [4]}, "min_length", "disagrees with min_tokens=4"),
     ],
 )
@@ -175,6 +175,12 @@ def test_more_than_the_torch_engine_does_is_refused_naming_the_input(
     with pytest.raises(InvalidInputError) as err:
         _parse(**inputs)
     assert f"input '{name}'" in str(err.value) and fragment in str(err.value)
+
+
+def test_embedding_bias_becomes_the_sparse_logit_bias() -> None:
+    bias = np.zeros((1, 2000), np.float32)
+    bias[0, [7, 42]] = [2.0, -1.5]
+    assert _parse(embedding_bias=bias).params.logit_bias == ((7, 2.0), (42, -1.5))
 
 
 def test_a_request_of_several_rows_is_several_sequences_when_decoupled() -> None:

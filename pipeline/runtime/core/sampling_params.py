@@ -25,6 +25,8 @@ class SamplingParams:
     bad_token_ids: tuple[tuple[int, ...], ...] = ()  # sequences that may never be completed
     seed: int | None = None  # per-request generator seed; None = engine's global generator
     logprobs: bool = False  # return the log-probability of every sampled token
+    # (token id, value) pairs added to the logits before anything else (TensorRT-LLM's embedding_bias)
+    logit_bias: tuple[tuple[int, float], ...] = ()
     # Set by the speculative-decoding path only; opt-out for requests whose output must not use drafts.
     allow_speculation: bool = field(default=True)
 
@@ -50,6 +52,10 @@ class SamplingParams:
         )
         _check(math.isfinite(self.presence_penalty), "presence_penalty", self.presence_penalty, "finite")
         _check(math.isfinite(self.frequency_penalty), "frequency_penalty", self.frequency_penalty, "finite")
+        for token, value in self.logit_bias:
+            _check(
+                token >= 0 and math.isfinite(value), "logit_bias", (token, value), "ids >= 0, finite values"
+            )
         for name, seqs in (("stop_token_ids", self.stop_token_ids), ("bad_token_ids", self.bad_token_ids)):
             for seq in seqs:
                 _check(len(seq) > 0 and all(t >= 0 for t in seq), name, seq, "non-empty, ids >= 0")
@@ -59,8 +65,14 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
     @property
-    def needs_penalties(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+    def adjusts_logits(self) -> bool:
+        """Penalties or a bias change the logits themselves (bans only mask tokens)."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or bool(self.logit_bias)
+        )
 
 
 def _check(ok: bool, name: str, value: object, limit: str) -> None:

@@ -47,7 +47,7 @@ class SampleRow:
     def greedy_with_bans_only(self) -> bool:
         """Greedy whose only logits processing is banning tokens (bad words, min_tokens), no log-probs: its
         token is the unprocessed argmax unless that token is banned."""
-        return self.params.greedy and not self.params.logprobs and not self.params.needs_penalties
+        return self.params.greedy and not self.params.logprobs and not self.params.adjusts_logits
 
     def banned_tokens(self) -> set[int]:
         """The tokens this row may not take (HF's order: bad words, then min_tokens' end id and stop ends)."""
@@ -119,16 +119,21 @@ class Sampler:
 
 def _needs_processing(row: SampleRow) -> bool:
     p = row.params
-    return p.needs_penalties or bool(p.bad_token_ids) or row.output_index < p.min_tokens
+    return p.adjusts_logits or bool(p.bad_token_ids) or row.output_index < p.min_tokens
 
 
 def process_logits(row_logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
-    """Penalties and bans on a copy of one row of logits [vocab]."""
+    """Bias, penalties and bans on a copy of one row of logits [vocab]."""
     p = row.params
     logits = row_logits.clone()
     context = row.context()
     num_prompt = row.request.num_prompt_tokens
     device = logits.device
+    if p.logit_bias:
+        ids, values = zip(*p.logit_bias, strict=True)
+        logits[torch.tensor(ids, dtype=torch.int64, device=device)] += torch.tensor(
+            values, dtype=logits.dtype, device=device
+        )
     if p.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(context)), dtype=torch.int64, device=device)
         scores = logits[seen]

@@ -313,6 +313,7 @@ def parse_engine_request(
             bad_token_ids=word_list_to_sequences("bad_words_list", _array(inputs, "bad_words_list")),
             seed=None if seed is None else int(seed),
             logprobs=bool(scalar(inputs, "return_log_probs") or False),
+            logit_bias=_logit_bias(inputs, limits),
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
@@ -342,16 +343,26 @@ def _aliased(inputs: Inputs, old_name: str) -> float | int | bool | None:
     return new if new is not None else old
 
 
+def _logit_bias(inputs: Inputs, limits: RequestLimits) -> tuple[tuple[int, float], ...]:
+    """embedding_bias, one value per vocabulary id (or none), as the sparse (id, value) pairs it holds."""
+    bias = _array(inputs, "embedding_bias")
+    if bias is None or bias.size == 0:
+        return ()
+    bias = bias.reshape(-1)
+    if bias.size != limits.vocab_size:
+        raise InvalidInputError(
+            "embedding_bias", f"{bias.size} values", f"needs one per vocabulary id ({limits.vocab_size})"
+        )
+    if not np.all(np.isfinite(bias)):
+        raise InvalidInputError("embedding_bias", "(non-finite)", "values must be finite")
+    return tuple((int(i), float(bias[i])) for i in np.flatnonzero(bias))
+
+
 def _refuse_beyond_default(inputs: Inputs) -> None:
     for name, (default, why) in UNSUPPORTED_AT_DEFAULT.items():
         value = scalar(inputs, name)
         if value is not None and value != default:
             raise InvalidInputError(name, value, why)
-    bias = _array(inputs, "embedding_bias")
-    if bias is not None and np.any(bias):
-        raise InvalidInputError(
-            "embedding_bias", "(non-zero)", "the torch engine has no embedding bias: send none (or zeros)"
-        )
 
 
 def _refuse_external_drafts(inputs: Inputs) -> None:
