@@ -57,24 +57,24 @@ def engine_summary(engine_dir: Path) -> dict[str, Any]:
 
 
 def onnx_for_engine(engine_dir: Path, onnx_file: Path) -> list[dict[str, Any]]:
-    """torch engines: export one decoder step; trtllm engines: the network trtllm-build exported
-    (--visualize_network), every rank checked, rank 0 copied to `onnx_file`."""
+    """torch engines: export one decoder step (checked with onnx.checker); trtllm engines: copy the network
+    trtllm-build exported (engine.visualize_network), listed but not checked (TensorRT layer types)."""
     if not _is_trtllm_engine(engine_dir):
         from pipeline.backends.trtllm.inspect.onnx_export import export_decoder_step
 
         return [export_decoder_step(engine_dir, onnx_file)]
-    from pipeline.backends.trtllm.inspect.onnx_check import check_onnx_files
+    from pipeline.backends.trtllm.inspect.onnx_check import network_files
 
     network = engine_dir / NETWORK_DIRNAME
-    checked = check_onnx_files(network)
-    if not checked:
+    found = network_files(network)
+    if not found:
         raise MissingArtifactError(
             f"{network} holds no .onnx files",
-            hint="Rebuild the engine with llmpipe (it passes --visualize_network).",
+            hint="Rebuild the engine with engine.visualize_network: true (trtllm-build --visualize_network).",
         )
     onnx_file.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(network / checked[0]["file"], onnx_file)
-    return checked
+    shutil.copy2(network / found[0]["file"], onnx_file)
+    return found
 
 
 @click.command("inspect", context_settings=CONTEXT)
@@ -83,7 +83,7 @@ def onnx_for_engine(engine_dir: Path, onnx_file: Path) -> list[dict[str, Any]]:
     "--onnx",
     "onnx_file",
     type=click.Path(dir_okay=False, path_type=Path),
-    help="Write the engine's network as ONNX here (checked with onnx.checker).",
+    help="Write the engine's network as ONNX here (a torch engine's is checked with onnx.checker).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def inspect(engine: Path, onnx_file: Path | None, as_json: bool) -> None:
@@ -100,7 +100,7 @@ def inspect(engine: Path, onnx_file: Path | None, as_json: bool) -> None:
     """
     report: dict[str, Any] = {"engine": str(engine), **engine_summary(engine)}
     if onnx_file is not None:
-        report["onnx"] = {"file": str(onnx_file), "checked": onnx_for_engine(engine, onnx_file)}
+        report["onnx"] = {"file": str(onnx_file), "files": onnx_for_engine(engine, onnx_file)}
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
@@ -108,9 +108,12 @@ def inspect(engine: Path, onnx_file: Path | None, as_json: bool) -> None:
         if key != "onnx":
             click.echo(f"{key:13} {value}")
     if onnx_file is not None:
-        for item in report["onnx"]["checked"]:
-            click.echo(
-                f"onnx          {item['file']}: onnx.checker: ok ({item['nodes']} nodes, opsets {item['opsets']}, "
-                f"inputs {', '.join(item['inputs'])})"
-            )
+        for item in report["onnx"]["files"]:
+            if "nodes" in item:
+                click.echo(
+                    f"onnx          {item['file']}: onnx.checker: ok ({item['nodes']} nodes, "
+                    f"opsets {item['opsets']}, inputs {', '.join(item['inputs'])})"
+                )
+            else:
+                click.echo(f"network       {item['file']}: {item['bytes']} bytes (TensorRT layer types)")
         click.echo(f"wrote         {onnx_file}")

@@ -184,7 +184,10 @@ class EngineSection(_Strict):
         True, description="trtllm: more TensorRT profiles (longer build, faster steps)."
     )
     visualize_network: bool = Field(
-        True, description="trtllm: export the network as ONNX into the engine folder."
+        False,
+        description="trtllm: also export the TensorRT network (trtllm-build --visualize_network) into the "
+        "engine folder, for `llmpipe inspect`; it holds TensorRT layer types, so it is recorded, not "
+        "checked as ONNX.",
     )
     build_workers: int | None = Field(
         None, ge=1, description="trtllm-build --workers; None = tp_size * pp_size."

@@ -89,7 +89,8 @@ def _config_matrix() -> list[BuildConfig]:
             "name": "matrix", "backend": "trtllm", "source": {"kind": "local", "path": "m"},
             "dtype": "bfloat16" if batch == 4 else "auto",
             "quantization": {"mode": mode}, "kv_cache": {"use_paged_context_fmha": paged},
-            "engine": {"max_batch_size": batch}, "speculative": spec_cfg, "parallel": {"tp_size": 1 + (batch == 64)},
+            "engine": {"max_batch_size": batch, "visualize_network": paged}, "speculative": spec_cfg,
+            "parallel": {"tp_size": 1 + (batch == 64)},
         }))  # fmt: skip
     return configs
 
@@ -165,6 +166,10 @@ def test_every_parameter_is_one_the_backend_reads(path: Path) -> None:
     assert all("${" not in value for value in params.values())
     for key in ("enable_kv_cache_reuse", "enable_chunked_context", "exclude_input_in_output"):
         assert params[key] in ("true", "false")
+    # The C++ backend reads these with no fallback since v0.19: a missing one fails the model's load
+    # (NVIDIA/TensorRT-LLM:triton_backend/inflight_batcher_llm/src/model_instance_state.cc).
+    for key in ("tokenizer_dir", "xgrammar_tokenizer_info_path", "guided_decoding_backend"):
+        assert key in params
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from onnx import TensorProto, helper
 
 from pipeline.backends.trtllm import env
-from pipeline.backends.trtllm.inspect.onnx_check import check_onnx_file, check_onnx_files
+from pipeline.backends.trtllm.inspect.onnx_check import check_onnx_file, network_files
 from pipeline.cli.doctor import collect_report, doctor, format_table
 from pipeline.errors import IntegrityError
 from pipeline.runtime.kernels import build
@@ -100,10 +100,13 @@ def _tiny_onnx(path: Path) -> None:
     )
 
 
-def test_onnx_checker_over_a_network_folder(tmp_path: Path) -> None:
-    assert check_onnx_files(tmp_path / "absent") == []
+def test_onnx_checker_and_the_network_folder_listing(tmp_path: Path) -> None:
+    assert network_files(tmp_path / "absent") == []
     _tiny_onnx(tmp_path / "rank0.onnx")
-    (summary,) = check_onnx_files(tmp_path)
+    assert network_files(tmp_path) == [
+        {"file": "rank0.onnx", "bytes": (tmp_path / "rank0.onnx").stat().st_size}
+    ]
+    summary = check_onnx_file(tmp_path / "rank0.onnx")
     assert (summary["file"], summary["nodes"], summary["inputs"], summary["outputs"]) == (
         "rank0.onnx",
         1,

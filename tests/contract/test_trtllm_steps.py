@@ -195,7 +195,8 @@ def test_quantize_lm_head_is_refused_on_this_path(trtllm: Any, hf_dir: Path, tmp
 # ---- build --------------------------------------------------------------------------------------------------
 FAKE_TRTLLM_BUILD = textwrap.dedent('''\
     #!{python}
-    """Writes what trtllm-build writes: config.json, rank engines, the --visualize_network ONNX."""
+    """Writes what trtllm-build writes: config.json, rank engines, and with --visualize_network one
+    network.onnx (builder.py's Network.to_onnx) into a folder that must already exist."""
     import json, sys
     from pathlib import Path
     import onnx
@@ -212,11 +213,12 @@ FAKE_TRTLLM_BUILD = textwrap.dedent('''\
         "build_config": {{"max_batch_size": int(args["--max_batch_size"])}}}}))
     for rank in range(world):
         (out / f"rank{{rank}}.engine").write_bytes(b"plan")
-        net = Path(args["--visualize_network"]); net.mkdir(parents=True, exist_ok=True)
+    if "--visualize_network" in args:
+        # one file for every rank, into a folder it does not create, with TensorRT layer types
         x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])
         y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])
-        graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], f"rank{{rank}}", [x], [y])
-        onnx.save(helper.make_model(graph), str(net / f"rank{{rank}}.onnx"))
+        graph = helper.make_graph([helper.make_node("PLUGIN_V2", ["x"], ["y"])], "network", [x], [y])
+        onnx.save(helper.make_model(graph), str(Path(args["--visualize_network"]) / "network.onnx"))
     print("[TRT-LLM] [I] Engine serialized")
 ''')
 
@@ -264,9 +266,19 @@ def test_build_runs_trtllm_build_and_records_the_facts_p1_needs(gpu_host: Path, 
         "1.2.0",
         "1.2.0",
     )
-    assert [n["file"] for n in facts["network_onnx"]] == ["rank0.onnx", "rank1.onnx"]
-    assert facts["network_onnx"][0]["nodes"] == 1
+    assert "--visualize_network" not in argv and facts["network_onnx"] == []  # off by default
     assert facts["kv_tokens_per_sequence"] == 2048 and facts["kv_full_sequences"] > 100
+
+
+def test_visualize_network_gets_its_folder_and_the_network_is_recorded(
+    gpu_host: Path, tmp_path: Path
+) -> None:
+    cfg = make_cfg(parallel={"tp_size": 2}, engine={"visualize_network": True})
+    ckpt, out = _checkpoint(tmp_path / "ckpt", 2), tmp_path / "engine.tmp"
+    out.mkdir()
+    facts = build_step.build(cfg, ckpt, out)
+    (network,) = facts["network_onnx"]
+    assert network["file"] == "network.onnx" and network["bytes"] > 0
 
 
 def test_failed_build_keeps_its_log_beside_the_work_dir(gpu_host: Path, tmp_path: Path) -> None:

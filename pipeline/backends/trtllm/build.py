@@ -17,7 +17,7 @@ from typing import Any
 from pipeline.backends.trtllm import env, guards
 from pipeline.backends.trtllm.api import load_api
 from pipeline.backends.trtllm.build_cmd import BUILD_LOG_NAME, NETWORK_DIRNAME, format_argv, trtllm_build_argv
-from pipeline.backends.trtllm.inspect.onnx_check import check_onnx_files
+from pipeline.backends.trtllm.inspect.onnx_check import network_files
 from pipeline.backends.trtllm.versions import release_for_runtime
 from pipeline.config.build_config import BuildConfig
 from pipeline.errors import BackendUnavailableError, PipelineError
@@ -90,6 +90,8 @@ def build(cfg: BuildConfig, ckpt_dir: Path, out_dir: Path) -> dict[str, Any]:
     argv = trtllm_build_argv(cfg, ckpt_dir, out_dir, target=target)
     if shutil.which(argv[0]) is None:
         raise BackendUnavailableError(f"{argv[0]} is not on PATH although tensorrt_llm imports; reinstall it")
+    if cfg.engine.visualize_network:  # trtllm-build writes its network file here but never creates the folder
+        (out_dir / NETWORK_DIRNAME).mkdir(parents=True, exist_ok=True)
     log_path = out_dir / BUILD_LOG_NAME
     code = run_logged(argv, log_path)
     if code != 0:
@@ -104,7 +106,7 @@ def build(cfg: BuildConfig, ckpt_dir: Path, out_dir: Path) -> dict[str, Any]:
     if missing:
         raise EngineBuildError(f"trtllm-build succeeded but wrote no {', '.join(missing)} into {out_dir}")
     engine_config = json.loads((out_dir / "config.json").read_text())
-    network = check_onnx_files(out_dir / NETWORK_DIRNAME)
+    network = network_files(out_dir / NETWORK_DIRNAME)
     gpu = gpus[0]
     return {
         "release": target.version,

@@ -21,6 +21,13 @@ from pipeline.serving.repository.engine_parameters import engine_parameters, pbt
 FIXED_PARAMETERS: dict[str, str] = {
     "FORCE_CPU_ONLY_INPUT_TENSORS": "no",
     "executor_worker_path": "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker",
+    # Read with no fallback since tensorrtllm_backend v0.19 (a missing key fails the model's load:
+    # NVIDIA/TensorRT-LLM:triton_backend/inflight_batcher_llm/src/model_instance_state.cc,
+    # getGuidedDecodingConfigFromParams); an empty value means no guided decoding, which llmpipe
+    # does not configure.
+    "tokenizer_dir": "",
+    "xgrammar_tokenizer_info_path": "",
+    "guided_decoding_backend": "",
 }
 
 # speculative.mode -> the backend's `decoding_mode`. draft_model is absent on purpose: the target engine is

@@ -1,4 +1,5 @@
-"""onnx.checker over exported networks: trtllm-build's `--visualize_network` folder, or one exported file."""
+"""ONNX files of engines: onnx.checker over a torch engine's exported step, and the listing of what trtllm-build
+--visualize_network wrote (TensorRT layer types, which onnx.checker cannot accept)."""
 
 from __future__ import annotations
 
@@ -28,8 +29,9 @@ def check_onnx_file(path: Path) -> dict[str, Any]:
     }
 
 
-def check_onnx_files(folder: Path) -> list[dict[str, Any]]:
-    """Check every .onnx file under `folder` (empty list when the folder does not exist)."""
+def network_files(folder: Path) -> list[dict[str, Any]]:
+    """What trtllm-build --visualize_network wrote (name and size). Not checked as ONNX: the file holds
+    TensorRT layer types (PLUGIN_V2, ...) that are no ONNX operators, so onnx.checker refuses every real one."""
     if not folder.is_dir():
         return []
-    return [check_onnx_file(path) for path in sorted(folder.rglob("*.onnx"))]
+    return [{"file": p.name, "bytes": p.stat().st_size} for p in sorted(folder.rglob("*.onnx"))]

@@ -15,5 +15,4 @@ trtllm-build \
     --multiple_profiles enable \
     --gemm_plugin float16 \
     --workers 1 \
-    --visualize_network build/draft-target.draft/engine/network_onnx \
     --log_level info

@@ -17,5 +17,4 @@ trtllm-build \
     --speculative_decoding_mode draft_tokens_external \
     --max_draft_len 10 \
     --workers 1 \
-    --visualize_network build/draft-target/engine/network_onnx \
     --log_level info

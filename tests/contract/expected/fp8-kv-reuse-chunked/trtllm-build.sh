@@ -14,5 +14,4 @@ trtllm-build \
     --remove_input_padding enable \
     --multiple_profiles enable \
     --workers 1 \
-    --visualize_network build/fp8-kv-reuse-chunked/engine/network_onnx \
     --log_level info

@@ -15,5 +15,4 @@ trtllm-build \
     --multiple_profiles enable \
     --gemm_plugin float16 \
     --workers 2 \
-    --visualize_network build/int4-awq-tp2/engine/network_onnx \
     --log_level info

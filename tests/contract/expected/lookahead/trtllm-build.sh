@@ -17,5 +17,4 @@ trtllm-build \
     --speculative_decoding_mode lookahead_decoding \
     --max_draft_len 15 \
     --workers 1 \
-    --visualize_network build/lookahead/engine/network_onnx \
     --log_level info
