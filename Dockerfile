@@ -2,7 +2,7 @@
 #
 # Engines are built INSIDE this image, by the same TensorRT-LLM/TensorRT that serves them: a TensorRT plan
 # only loads in the version that wrote it. The base tag must stay equal to
-# pipeline/backends/trtllm/versions.py RELEASES[PINNED].triton_container (a contract test checks it).
+# pipeline/backends/trtllm/versions.py PINNED_CONTAINER (a contract test checks it).
 #
 #   make image                      # docker build -t llmpipe:trtllm .
 #   docker run --rm --gpus all llmpipe:trtllm doctor

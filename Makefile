@@ -67,7 +67,7 @@ soak: install  ## 20 minutes of mixed traffic against the served tiny model
 tiny-model: install  ## the tiny random Llama used by build_configs/tiny-llama.yaml
 	$(PY) scripts/make_tiny_model.py build/tiny-llama-hf
 
-image:  ## GPU hosts: the serving image (TensorRT-LLM 1.2 Triton container) that also builds engines
+image:  ## GPU hosts: the serving image (Triton 25.12 container, TensorRT-LLM 1.1.0) that also builds engines
 	docker build -t llmpipe:trtllm .
 
 clean:  ## remove build outputs (keeps .venv)

@@ -12,7 +12,7 @@ from pipeline.backends.trtllm.versions import (
     MIN_SM_FOR_KV,
     MIN_SM_FOR_QUANT,
     PINNED,
-    RELEASES,
+    PINNED_CONTAINER,
     release_for_runtime,
 )
 from pipeline.cli.options import CONTEXT
@@ -98,7 +98,7 @@ def collect_report() -> dict[str, Any]:
         "tensorrt_llm": trtllm.as_dict(),
         "tensorrt": env.tensorrt_version().as_dict(),
         "tritonserver": env.tritonserver_version().as_dict(),
-        "pinned_release": {"tensorrt_llm": PINNED, "container": RELEASES[PINNED].triton_container},
+        "pinned_release": {"tensorrt_llm": PINNED, "container": PINNED_CONTAINER},
         "backends": {"torch": _torch_backend(torch), "trtllm": _trtllm_backend(trtllm, gpus)},
         "cpu_kernels": _cpu_kernels(torch),
     }

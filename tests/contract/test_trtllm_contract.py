@@ -20,7 +20,7 @@ from pipeline.backends.trtllm.build_cmd import (
     trtllm_build_argv,
 )
 from pipeline.backends.trtllm.triton_params import tensorrt_llm_header, tensorrt_llm_parameters
-from pipeline.backends.trtllm.versions import FLAG_CHOICES, PINNED, RELEASES
+from pipeline.backends.trtllm.versions import FLAG_CHOICES, PINNED, PINNED_CONTAINER, RELEASES
 from pipeline.config.build_config import BuildConfig
 from pipeline.config.vocab import BACKEND_QUANT_MODES
 from pipeline.errors import ConfigError
@@ -72,7 +72,7 @@ def test_generated_files_match_expected(path: Path) -> None:
 
 def test_release_table_matches_the_transcribed_cli_reference() -> None:
     assert {v: set(r.build_flags) for v, r in RELEASES.items()} == _expected_flags()
-    assert PINNED in RELEASES and PINNED.startswith("1.2")
+    assert PINNED in RELEASES and PINNED.startswith("1.1")
 
 
 def _config_matrix() -> list[BuildConfig]:
@@ -191,7 +191,7 @@ def test_rendered_config_pbtxt_parses_with_tritons_schema(path: Path) -> None:
 
 def test_dockerfile_builds_on_the_pinned_serving_image() -> None:
     dockerfile = (Path(__file__).resolve().parents[2] / "Dockerfile").read_text()
-    assert f"ARG BASE_IMAGE={RELEASES[PINNED].triton_container}\n" in dockerfile
+    assert f"ARG BASE_IMAGE={PINNED_CONTAINER}\n" in dockerfile
     assert "FROM ${BASE_IMAGE}" in dockerfile
     assert "--no-deps" in dockerfile  # the image's torch / transformers / tensorrt_llm stay untouched
 

@@ -42,7 +42,7 @@ def test_doctor_here_reports_torch_available_and_trtllm_not_with_the_reason() ->
     trtllm = report["backends"]["trtllm"]
     assert trtllm["available"] is False
     assert "pip install llmpipe[trtllm]" in trtllm["reason"] and "nvidia-smi not found" in trtllm["reason"]
-    assert report["pinned_release"]["tensorrt_llm"] == "1.2.0"
+    assert report["pinned_release"]["tensorrt_llm"] == "1.1.0"
     table = CliRunner().invoke(doctor, []).output
     assert (
         "backend torch   yes on cpu" in table and "backend trtllm  no: TensorRT-LLM is not installed" in table

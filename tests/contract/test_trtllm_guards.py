@@ -11,7 +11,7 @@ import pytest
 
 from pipeline.artifacts import Manifest
 from pipeline.backends.trtllm import env, guards
-from pipeline.backends.trtllm.versions import release, release_for_runtime
+from pipeline.backends.trtllm.versions import RELEASES, release, release_for_runtime
 from pipeline.config.build_config import BuildConfig
 from pipeline.errors import ConfigError, ServingError
 
@@ -79,6 +79,22 @@ def test_runtime_versions_map_onto_the_release_table() -> None:
     with pytest.raises(ConfigError, match="1.3.0 is not a release"):
         release_for_runtime("1.3.0")
     assert release().triton_container == "nvcr.io/nvidia/tritonserver:25.12-trtllm-python-py3"
+
+
+def test_releases_pair_with_the_containers_tritons_matrix_lists() -> None:
+    # https://docs.nvidia.com/deeplearning/triton-inference-server/user-guide/docs/introduction/compatibility.html
+    assert RELEASES["1.1.0"].triton_container == "nvcr.io/nvidia/tritonserver:25.12-trtllm-python-py3"
+    assert RELEASES["1.0.0"].triton_container == "nvcr.io/nvidia/tritonserver:25.10-trtllm-python-py3"
+    assert RELEASES["1.2.0"].triton_container is None  # no container listed with 1.2.x
+    assert release().version == "1.1.0"
+
+
+def test_patch_releases_map_to_their_minor_release() -> None:
+    assert release_for_runtime("1.2.1").version == "1.2.0"
+    assert release_for_runtime("1.0.3").version == "1.0.0"
+    assert release_for_runtime("1.2.0rc7").version == "1.2.0"
+    with pytest.raises(ConfigError, match="0.19.0 is not a release"):
+        release_for_runtime("0.19.0")
 
 
 # ---- GPU architecture vs format ---------------------------------------------------------------------------

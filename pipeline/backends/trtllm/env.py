@@ -17,7 +17,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from pipeline.backends.trtllm.versions import PINNED, RELEASES
+from pipeline.backends.trtllm.versions import PINNED_CONTAINER
 from pipeline.errors import BackendUnavailableError, PipelineError
 
 _PROBE_TIMEOUT_S = 20
@@ -120,7 +120,7 @@ def trtllm_unavailable_reason() -> str | None:
     """None when `import tensorrt_llm` can work here, else one line saying why not and what to do."""
     if importlib.util.find_spec("tensorrt_llm") is not None:
         return None
-    container = RELEASES[PINNED].triton_container
+    container = PINNED_CONTAINER
     return (
         "TensorRT-LLM is not installed (it needs an NVIDIA GPU host; PyPI has only installer stubs): "
         f"`pip install llmpipe[trtllm]` with NVIDIA's package index, or use the container {container} "

@@ -18,12 +18,17 @@ from typing import Any
 from pipeline.artifacts import require_manifest
 from pipeline.backends.trtllm import env
 from pipeline.backends.trtllm.env import Gpu
-from pipeline.backends.trtllm.versions import MIN_SM_FOR_KV, MIN_SM_FOR_QUANT, PINNED, RELEASES, sm_label
+from pipeline.backends.trtllm.versions import (
+    MIN_SM_FOR_KV,
+    MIN_SM_FOR_QUANT,
+    PINNED_CONTAINER,
+    sm_label,
+)
 from pipeline.config.build_config import BuildConfig
 from pipeline.errors import ConfigError, ServingError
 
 _REBUILD_HINT = (
-    f"Build the engine inside the serving image ({RELEASES[PINNED].triton_container}; `make image`) "
+    f"Build the engine inside the serving image ({PINNED_CONTAINER}; `make image`) "
     "so both come from one TensorRT-LLM build."
 )
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "int8": 1}

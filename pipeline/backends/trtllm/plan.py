@@ -14,7 +14,13 @@ from pipeline.backends.trtllm.env import trtllm_unavailable_reason
 from pipeline.backends.trtllm.guards import check_build_features, kv_tokens_for_one_sequence
 from pipeline.backends.trtllm.quantize import BUILTIN_CALIB_DATASET, needs_calibration
 from pipeline.backends.trtllm.triton_params import tensorrt_llm_parameters
-from pipeline.backends.trtllm.versions import MIN_SM_FOR_KV, MIN_SM_FOR_QUANT, PINNED, RELEASES, sm_label
+from pipeline.backends.trtllm.versions import (
+    MIN_SM_FOR_KV,
+    MIN_SM_FOR_QUANT,
+    PINNED,
+    PINNED_CONTAINER,
+    sm_label,
+)
 from pipeline.config.build_config import BuildConfig
 from pipeline.config.workdir import STAGE_DIRNAMES
 
@@ -77,7 +83,7 @@ def engine_lines(cfg: BuildConfig, workdir: Path) -> list[str]:
     return [
         f"guards: {cfg.parallel.world_size} GPU(s) of {sm_label(need)}+; KV cache must hold "
         f"{kv_tokens_for_one_sequence(cfg)} tokens for one sequence; TensorRT-LLM {PINNED} "
-        f"({RELEASES[PINNED].triton_container})",
+        f"({PINNED_CONTAINER})",
         *format_argv(trtllm_build_argv(cfg, ckpt, out)).splitlines(),
         f"writes {out}/config.json, {_rank_files(cfg, 'engine')}, {BUILD_LOG_NAME}, "
         f"{NETWORK_DIRNAME}/*.onnx (checked with onnx.checker)",

@@ -8,10 +8,11 @@ rendered CLI reference, `NVIDIA/TensorRT-LLM` gh-pages `<version>/commands/trtll
 argparse output generated from `tensorrt_llm/commands/build.py` + `PluginConfig`), read for 1.0.0
 (@090dc64), 1.1.0 (@8660c11) and 1.2.0 (@7e873e5). The engine path is gone after 1.2
 (NVIDIA/TensorRT-LLM:docs/source/legacy/tensorrt-backend-removal.md@335107a). Container tags and TensorRT
-versions: the release notes' base-container pairing (NVIDIA/TensorRT-LLM:docs/source/release-notes.md@001eaec)
-and tensorrtllm_backend's `dockerfile/Dockerfile.triton.trt_llm_backend` at the matching submodule bumps;
-the version actually inside a container is read at run time (`llmpipe doctor`,
-guards.check_runtime_matches), never assumed.
+versions: Triton's compatibility matrix,
+https://docs.nvidia.com/deeplearning/triton-inference-server/user-guide/docs/introduction/compatibility.html
+(25.12-trtllm-python-py3: TensorRT-LLM 1.1.0, TensorRT 10.13.3.9; 25.10: 1.0.0, TensorRT 10.11); no NGC
+container is listed with 1.2.x, so 1.2.0 has none here and llmpipe pins 1.1.0. The version actually inside
+a container is read at run time (`llmpipe doctor`, guards.check_runtime_matches), never assumed.
 """
 
 from __future__ import annotations
@@ -80,7 +81,9 @@ class Release:
     """One TensorRT-LLM release whose engine path llmpipe generates commands for."""
 
     version: str
-    triton_container: str  # NGC image that serves this release's engines, and builds them so versions match
+    # NGC image that serves this release's engines, and builds them so versions match; None when Triton's
+    # compatibility matrix lists no container carrying the release.
+    triton_container: str | None
     # TensorRT major.minor the release was built against (tensorrtllm_backend's Dockerfile at the matching
     # submodule bump). Informational: guards compare the versions recorded in the engine, not this.
     tensorrt: str
@@ -93,12 +96,14 @@ def _container(yy_mm: str) -> str:
 
 
 RELEASES: dict[str, Release] = {
-    "1.0.0": Release("1.0.0", _container("25.06"), "10.10", _COMMON_FLAGS | _AUTO_PARALLEL_FLAGS, "090dc64"),
-    "1.1.0": Release("1.1.0", _container("25.10"), "10.11", _COMMON_FLAGS | _AUTO_PARALLEL_FLAGS, "8660c11"),
-    "1.2.0": Release("1.2.0", _container("25.12"), "10.14", _COMMON_FLAGS, "7e873e5"),
+    "1.0.0": Release("1.0.0", _container("25.10"), "10.11", _COMMON_FLAGS | _AUTO_PARALLEL_FLAGS, "090dc64"),
+    "1.1.0": Release("1.1.0", _container("25.12"), "10.13", _COMMON_FLAGS | _AUTO_PARALLEL_FLAGS, "8660c11"),
+    "1.2.0": Release("1.2.0", None, "10.14", _COMMON_FLAGS, "7e873e5"),
 }
-# The release the Dockerfile, `pip install llmpipe[trtllm]` and the contract tests are pinned to.
-PINNED = "1.2.0"
+# The release the Dockerfile, `pip install llmpipe[trtllm]` and the contract tests are pinned to: the
+# newest one a named container carries.
+PINNED = "1.1.0"
+PINNED_CONTAINER: str = RELEASES[PINNED].triton_container or ""
 
 
 def release(version: str = PINNED) -> Release:
@@ -108,16 +113,20 @@ def release(version: str = PINNED) -> Release:
         raise ConfigError(
             f"TensorRT-LLM {version} is not a release llmpipe's engine path supports",
             hint=f"Supported: {', '.join(RELEASES)} (trtllm-build was removed after 1.2). Use the container "
-            f"{RELEASES[PINNED].triton_container}.",
+            f"{PINNED_CONTAINER}.",
         ) from None
 
 
 def release_for_runtime(installed: str) -> Release:
-    """The table entry for an installed TensorRT-LLM version string (e.g. '1.2.0' or '1.2.0rc7' -> 1.2.0)."""
+    """The table entry for an installed TensorRT-LLM version string: its major.minor release, whatever the
+    patch or pre-release ('1.2.0rc7', '1.2.1', '1.0.3' -> 1.2.0, 1.2.0, 1.0.0): the CLI and engine format
+    do not change within a minor release."""
     base = installed.split("+")[0]
     for tag in ("rc", ".post", "a", "b"):
         base = base.split(tag)[0]
-    return release(base.rstrip("."))
+    major_minor = ".".join(base.rstrip(".").split(".")[:2])
+    matches = [r for v, r in RELEASES.items() if ".".join(v.split(".")[:2]) == major_minor]
+    return matches[0] if matches else release(base.rstrip("."))
 
 
 # Smallest GPU compute capability (major*10+minor) each quantization mode / KV dtype needs on this path.
