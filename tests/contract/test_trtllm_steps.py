@@ -57,6 +57,7 @@ def hf_dir(tmp_path: Path) -> Path:
     folder = tmp_path / "hf"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    (folder / "tokenizer.json").write_text("{}")
     return folder
 
 
@@ -104,7 +105,10 @@ def test_convert_tp2_calls_from_hugging_face_per_rank(trtllm: Any, hf_dir: Path,
         assert call["kwargs"] == {"load_model_on_cpu": True}
     saves = calls(trtllm, "LLaMAForCausalLM.save_checkpoint")
     assert [(s["output_dir"], s["save_config"]) for s in saves] == [(str(out), True), (str(out), False)]
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "rank0.safetensors", "rank1.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json", "rank0.safetensors", "rank1.safetensors", "tokenizer"]  # fmt: skip
+    # trtllm-build writes none: the tokenizer travels from here to the engine folder, which `package` reads
+    assert facts["tokenizer_files"] == ["tokenizer.json"] and (out / "tokenizer" / "tokenizer.json").is_file()
     assert facts["trtllm_model_class"] == "LLaMAForCausalLM" and facts["tensorrt_llm_version"] == "1.2.0"
 
 
@@ -268,6 +272,15 @@ def test_build_runs_trtllm_build_and_records_the_facts_p1_needs(gpu_host: Path, 
     )
     assert "--visualize_network" not in argv and facts["network_onnx"] == []  # off by default
     assert facts["kv_tokens_per_sequence"] == 2048 and facts["kv_full_sequences"] > 100
+
+
+def test_the_engine_folder_carries_the_checkpoints_tokenizer(gpu_host: Path, tmp_path: Path) -> None:
+    ckpt, out = _checkpoint(tmp_path / "ckpt", 1), tmp_path / "engine.tmp"
+    (ckpt / "tokenizer").mkdir()
+    (ckpt / "tokenizer" / "tokenizer.json").write_text("{}")
+    out.mkdir()
+    build_step.build(make_cfg(), ckpt, out)
+    assert (out / "tokenizer" / "tokenizer.json").read_text() == "{}"
 
 
 def test_visualize_network_gets_its_folder_and_the_network_is_recorded(

@@ -5,7 +5,6 @@ layout (fused qkv and gate/up, tied embeddings written out) and `tokenizer/`."""
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -27,8 +26,9 @@ from pipeline.runtime.engine_config import (
 )
 from pipeline.runtime.model.loader import expected_dense_shapes
 from pipeline.runtime.model.weight_names import GLOBAL_WEIGHTS, LAYER_WEIGHTS, QKV_BIAS_WEIGHTS
-from pipeline.sources import SUPPORTED_ARCHITECTURES, TOKENIZER_FILES
+from pipeline.sources import SUPPORTED_ARCHITECTURES
 from pipeline.sources.local import inspect_local_checkpoint
+from pipeline.sources.tokenizer import copy_tokenizer
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -235,15 +235,3 @@ def _check_shapes(weights: dict[str, torch.Tensor], pretrained: dict[str, Any]) 
 
 def _is_tied_copy(name: str, pretrained: dict[str, Any]) -> bool:
     return name == "lm_head.weight" and pretrained["tie_word_embeddings"]
-
-
-def copy_tokenizer(hf_dir: Path, dest: Path) -> list[str]:
-    """Tokenizer files (and generation_config.json, which holds HF's end ids) so serving needs only the
-    engine directory."""
-    dest.mkdir(parents=True, exist_ok=True)
-    copied = []
-    for name in (*TOKENIZER_FILES, "generation_config.json"):
-        if (hf_dir / name).is_file():
-            shutil.copy2(hf_dir / name, dest / name)
-            copied.append(name)
-    return copied

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pipeline.artifacts import link_tree
 from pipeline.backends.trtllm import env, guards
 from pipeline.backends.trtllm.api import load_api
 from pipeline.backends.trtllm.build_cmd import BUILD_LOG_NAME, NETWORK_DIRNAME, format_argv, trtllm_build_argv
@@ -21,6 +22,7 @@ from pipeline.backends.trtllm.inspect.onnx_check import network_files
 from pipeline.backends.trtllm.versions import release_for_runtime
 from pipeline.config.build_config import BuildConfig
 from pipeline.errors import BackendUnavailableError, PipelineError
+from pipeline.runtime.engine_config import TOKENIZER_DIR
 
 # Kept beside the work dir when a build fails (the engine's temporary folder is removed).
 FAILED_LOG_NAME = "trtllm-build.failed.log"
@@ -105,6 +107,8 @@ def build(cfg: BuildConfig, ckpt_dir: Path, out_dir: Path) -> dict[str, Any]:
                if not (out_dir / n).is_file()]  # fmt: skip
     if missing:
         raise EngineBuildError(f"trtllm-build succeeded but wrote no {', '.join(missing)} into {out_dir}")
+    if (ckpt_dir / TOKENIZER_DIR).is_dir():  # what `package` gives preprocessing and postprocessing
+        link_tree(ckpt_dir / TOKENIZER_DIR, out_dir / TOKENIZER_DIR)
     engine_config = json.loads((out_dir / "config.json").read_text())
     network = network_files(out_dir / NETWORK_DIRNAME)
     gpu = gpus[0]

@@ -15,6 +15,8 @@ from typing import Any
 from pipeline.backends.trtllm.api import check_unified_checkpoint, hf_architecture, load_api, model_class_name
 from pipeline.backends.trtllm.versions import WEIGHT_ONLY_MODES
 from pipeline.config.build_config import BuildConfig
+from pipeline.runtime.engine_config import TOKENIZER_DIR
+from pipeline.sources.tokenizer import copy_tokenizer
 
 
 def convert_quant_algo(cfg: BuildConfig) -> str | None:
@@ -43,6 +45,8 @@ def convert(cfg: BuildConfig, hf_dir: Path, out_dir: Path) -> dict[str, Any]:
         del model
         gc.collect()
     files = check_unified_checkpoint(out_dir, world)
+    # trtllm-build writes no tokenizer; carried from here to the engine folder, which serving reads
+    tokenizer_files = copy_tokenizer(hf_dir, out_dir / TOKENIZER_DIR)
     return {
         "architecture": hf_architecture(hf_dir),
         "trtllm_model_class": class_name,
@@ -51,6 +55,7 @@ def convert(cfg: BuildConfig, hf_dir: Path, out_dir: Path) -> dict[str, Any]:
         "pp_size": pp,
         "quant_algo": quant_algo,
         "checkpoint_files": files,
+        "tokenizer_files": tokenizer_files,
         "tensorrt_llm_version": api.version,
         "tool_packages": ["tensorrt_llm"],
     }

@@ -20,6 +20,7 @@ from pipeline.backends.trtllm.versions import CALIBRATED_MODES
 from pipeline.config.build_config import BuildConfig
 from pipeline.errors import ConfigError, MissingArtifactError
 from pipeline.quantize.calibration import load_records
+from pipeline.runtime.engine_config import TOKENIZER_DIR
 
 # What `calibration.dataset: builtin` means on this path: TensorRT-LLM's own default calibration set,
 # fetched from the Hugging Face Hub by ModelOpt on the GPU host.
@@ -95,6 +96,8 @@ def quantize(cfg: BuildConfig, ckpt_dir: Path, out_dir: Path, hf_dir: Path | Non
             random_seed=calib.seed,
         )
     files = check_unified_checkpoint(out_dir, tp * pp)
+    if (ckpt_dir / TOKENIZER_DIR).is_dir():
+        link_tree(ckpt_dir / TOKENIZER_DIR, out_dir / TOKENIZER_DIR)
     return {
         "quant_algo": q.quant_algo,
         "kv_cache_quant_algo": q.kv_cache_quant_algo,
