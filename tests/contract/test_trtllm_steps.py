@@ -26,6 +26,7 @@ from pipeline.backends.trtllm.plan import plan
 from pipeline.backends.trtllm.quantize import quantize
 from pipeline.config.build_config import BuildConfig
 from pipeline.errors import BackendUnavailableError, ConfigError
+from pipeline.quantize.calibration import load_records
 
 STAND_IN = Path(__file__).resolve().parents[1] / "stand_in_tensorrt_llm"
 
@@ -147,7 +148,11 @@ def test_quantize_int4_awq_tp2_through_modelopt(trtllm: Any, hf_dir: Path, tmp_p
         None,
         64,
     )
-    assert call["calib_dataset"] == "cnn_dailymail"
+    # builtin is the shipped calibration set, handed to ModelOpt as a local folder: nothing from a hub
+    shipped = load_records("builtin")
+    texts = [json.loads(r)["text"] for r in call["calib_records"]]
+    assert len(texts) == len(shipped) and texts[0] == shipped[0]
+    assert not Path(call["calib_dataset"]).exists()
     assert (call["calib_batches"], call["calib_batch_size"], call["calib_max_seq_length"]) == (256, 1, 1024)
     assert call["tokenizer_max_seq_length"] == 2048
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "rank0.safetensors", "rank1.safetensors"]

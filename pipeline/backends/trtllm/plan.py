@@ -12,7 +12,7 @@ from pipeline.backends.trtllm.build_cmd import BUILD_LOG_NAME, NETWORK_DIRNAME, 
 from pipeline.backends.trtllm.convert import convert_quant_algo
 from pipeline.backends.trtllm.env import trtllm_unavailable_reason
 from pipeline.backends.trtllm.guards import check_build_features, kv_tokens_for_one_sequence
-from pipeline.backends.trtllm.quantize import BUILTIN_CALIB_DATASET, needs_calibration
+from pipeline.backends.trtllm.quantize import needs_calibration
 from pipeline.backends.trtllm.triton_params import tensorrt_llm_parameters
 from pipeline.backends.trtllm.versions import (
     MIN_SM_FOR_KV,
@@ -63,7 +63,7 @@ def quantize_lines(cfg: BuildConfig, workdir: Path) -> list[str]:
         ]
     tp, pp = cfg.parallel.tp_size, cfg.parallel.pp_size
     calib = q.calibration
-    dataset = BUILTIN_CALIB_DATASET if calib.dataset == "builtin" else calib.dataset
+    dataset = "<folder of llmpipe's shipped calib.jsonl>" if calib.dataset == "builtin" else calib.dataset
     hf_dir = _hf_dir(cfg, workdir)
     return [
         f"{_model_class(hf_dir)}.quantize('{hf_dir}', '{out}', dtype='{cfg.dtype}', "

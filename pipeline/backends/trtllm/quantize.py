@@ -24,7 +24,6 @@ from pipeline.runtime.engine_config import TOKENIZER_DIR
 
 # What `calibration.dataset: builtin` means on this path: TensorRT-LLM's own default calibration set,
 # fetched from the Hugging Face Hub by ModelOpt on the GPU host.
-BUILTIN_CALIB_DATASET = "cnn_dailymail"
 # ModelOpt's tokenizer truncation default; raised when calibration samples are longer.
 _TOKENIZER_MAX_SEQ_LENGTH = 2048
 
@@ -42,15 +41,14 @@ def _texts(dataset: str) -> list[str]:
 
 
 def calibration_dataset(cfg: BuildConfig, scratch: Path) -> str:
-    """A calib_dataset value ModelOpt accepts: a known dataset name, or a local folder whose train split has a
-    `text` column (one JSON object per line in train.jsonl)."""
+    """A calib_dataset value ModelOpt accepts: a local folder whose train split has a `text` column (one
+    JSON object per line in train.jsonl). `builtin` is llmpipe's shipped calibration set, as on the torch
+    backend: no dataset is fetched from a hub."""
     source = cfg.quantization.calibration.dataset
-    if source == "builtin":
-        return BUILTIN_CALIB_DATASET
     path = Path(source).expanduser()
-    if path.is_dir():
+    if source != "builtin" and path.is_dir():
         return str(path)
-    if not path.is_file():
+    if source != "builtin" and not path.is_file():
         raise MissingArtifactError(f"quantization.calibration.dataset={source}: no such file or folder")
     texts = _texts(source)
     folder = scratch / "calibration"
@@ -102,7 +100,7 @@ def quantize(cfg: BuildConfig, ckpt_dir: Path, out_dir: Path, hf_dir: Path | Non
         "quant_algo": q.quant_algo,
         "kv_cache_quant_algo": q.kv_cache_quant_algo,
         "group_size": q.group_size,
-        "calib_dataset": BUILTIN_CALIB_DATASET if calib.dataset == "builtin" else calib.dataset,
+        "calib_dataset": calib.dataset,
         "calib_samples": calib.num_samples,
         "calib_max_seq_length": calib.max_seq_length,
         "checkpoint_files": files,
