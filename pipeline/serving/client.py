@@ -197,6 +197,7 @@ class GrpcClient:
         self.url = url
         self.keep_stream = keep_stream
         self._results: queue.SimpleQueue[tuple[Any, Any]] | None = None  # the open stream's callbacks
+        self._requested_outputs: dict[tuple[str, ...], list[Any]] = {}  # built once per output list
 
     def __enter__(self) -> GrpcClient:
         return self
@@ -218,7 +219,12 @@ class GrpcClient:
         except InferenceServerException as err:
             raise self._error(err) from None
 
-    def _inputs(self, body: dict[str, Any], batched: bool) -> list[Any]:
+    def _requested(self, names: tuple[str, ...]) -> list[Any]:
+        if names not in self._requested_outputs:
+            self._requested_outputs[names] = [self._grpc.InferRequestedOutput(n) for n in names]
+        return self._requested_outputs[names]
+
+    def _inputs(self, body: dict[str, Any], batched: bool = True) -> list[Any]:
         inputs = []
         for name, (datatype, array) in request_tensors(body, batched).items():
             tensor = self._grpc.InferInput(name, list(array.shape), datatype)
@@ -252,7 +258,7 @@ class GrpcClient:
 
         results = self._stream()
         request_id = request_id or uuid.uuid4().hex
-        wanted = None if outputs is None else [self._grpc.InferRequestedOutput(n) for n in outputs]
+        wanted = None if outputs is None else self._requested(tuple(outputs))
         received, finished, failed = 0, False, False
         try:
             try:
@@ -330,7 +336,7 @@ class GrpcClient:
         started = time.monotonic()
         try:
             result = self.client.infer(
-                self.model, self._inputs(request_json(prompt, options), True), client_timeout=self.timeout_s
+                self.model, self._inputs(request_json(prompt, options)), client_timeout=self.timeout_s
             )
         except InferenceServerException as err:
             raise self._error(err) from None

@@ -124,8 +124,11 @@ def _check_matches_config(cfg: BuildConfig, pretrained: dict[str, Any], ckpt_dir
 def _compile_kernels(cfg: BuildConfig) -> dict[str, str] | None:
     """Build the CPU kernels here, so that a missing compiler fails the build rather than slowing every
     request down at serving time: their record for the facts, or None where the engine will not use them
-    (engine.device cuda, or LLMPIPE_DISABLE_KERNELS=1)."""
-    if cfg.engine.device == "cuda":
+    (an engine that runs on CUDA, or LLMPIPE_DISABLE_KERNELS=1)."""
+    import torch
+
+    device = cfg.engine.device
+    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
         return None
     try:
         return kernel_build.build_library().facts()

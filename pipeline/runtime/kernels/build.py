@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from pipeline.util.files import sha256_file
+
 logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent / "csrc"
@@ -72,7 +74,7 @@ class KernelLibrary:
         return {
             "isa": self.isa,
             "compiler": self.compiler,
-            "library_sha256": hashlib.sha256(self.path.read_bytes()).hexdigest(),
+            "library_sha256": sha256_file(self.path),
         }
 
 

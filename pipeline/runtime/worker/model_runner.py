@@ -59,7 +59,8 @@ class ModelRunner:
 
     Compute dtype: the model's dtype on CUDA. On CPU fp32, except that a bfloat16 engine keeps its decoder
     layers' linear weights in bf16 and feeds them bf16-rounded activations (fp32 accumulation; twice the
-    fp32 FMA rate where the CPU has AVX512_BF16); norms, attention, the KV cache and the head stay fp32. `num_threads` sets torch's (process-wide) thread count.
+    fp32 FMA rate where the CPU has AVX512_BF16); norms, attention, the KV cache and the head stay fp32.
+    `RunnerArgs.num_threads` sets torch's (process-wide) thread count.
     `attention`: "kernel" = the compiled paged-attention kernel (CPU, fp32), "torch" = the portable torch path,
     "auto" = the kernel when it applies and builds. The KV cache is int8 when the engine's
     kv_cache_quant_algo is INT8 (both attention paths read and write it). The runner keeps no per-request
@@ -84,14 +85,10 @@ class ModelRunner:
         kv_dtype = self.layer_weight_dtype
         self.tokens_per_block = build.plugin_config.tokens_per_block
         weights = load_llama_weights(engine_config, self.device, self.dtype, self.layer_weight_dtype)
-        first = weights.layers[0]
-        self.layer_weight_bytes = sum(
-            linear.weight_bytes for linear in (first.qkv, first.dense, first.gate_up, first.proj)
-        )
         self.single_row_threads = (
             args.single_row_threads
             if args.single_row_threads is not None
-            else self._faster_single_row_threads(first)
+            else self._faster_single_row_threads(weights.layers[0])
         )
         # Sized after the weights are in memory, so "free memory" is what the cache can really use.
         self.num_kv_blocks = num_kv_blocks(

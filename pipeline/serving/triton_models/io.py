@@ -54,12 +54,12 @@ DRAFT_INPUTS = ("draft_input_ids", "draft_logits", "draft_acceptance_threshold")
 # TensorRT-LLM's per-request speculative-decoding outputs, sent with the final response when the request
 # sets return_perf_metrics (as tensorrtllm_backend does).
 SPEC_OUTPUTS = ("acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens")
-# output_ids first: tensorrtllm_backend's benchmark client reads the first output's shape as [1, beam, len].
 LOG_PROB_OUTPUTS = ("cum_log_probs", "output_log_probs")
 UPSTREAM_OUTPUTS = (
     "context_logits", "generation_logits", "batch_index", "sequence_index",
     "kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks",
 )  # fmt: skip
+# output_ids first: tensorrtllm_backend's benchmark client reads the first output's shape as [1, beam, len].
 ENGINE_OUTPUTS = ("output_ids", "sequence_length", *LOG_PROB_OUTPUTS, *SPEC_OUTPUTS, *UPSTREAM_OUTPUTS)
 # The ensemble's and the BLS's tensors (tensorrtllm_backend's names), what clients send and receive.
 CLIENT_INPUTS = (

@@ -8,6 +8,7 @@ one-response request also works through HTTP `/generate`.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,15 +34,18 @@ class Reply:
 
 class ResponseGroup:
     """The sequences (rows) of one Triton request: they share its response sender, and only the last of
-    them to finish sends the final flag. Touched by the responder thread only."""
+    them to finish sends the final flag. Rows finish on the responder thread, or on Triton's thread when
+    their submission fails, hence the lock."""
 
     def __init__(self, size: int) -> None:
         self.remaining = size
+        self._lock = threading.Lock()
 
     def finish_one(self) -> bool:
         """Count one row as done; True when it was the last."""
-        self.remaining -= 1
-        return self.remaining == 0
+        with self._lock:
+            self.remaining -= 1
+            return self.remaining == 0
 
 
 class RequestState:
