@@ -10,9 +10,10 @@ import click
 from pipeline.backends.trtllm import env
 from pipeline.backends.trtllm.versions import (
     MIN_SM_FOR_KV,
-    MIN_SM_FOR_QUANT,
     PINNED,
     PINNED_CONTAINER,
+    kv_dtype_builds_on,
+    quant_mode_builds_on,
     release_for_runtime,
 )
 from pipeline.cli.options import CONTEXT
@@ -78,12 +79,14 @@ def _trtllm_backend(trtllm: env.Probe, gpus: env.Probe) -> dict[str, Any]:
             reasons.append(err.message)
     if reasons:
         return {"available": False, "reason": "; ".join(reasons), "quant_modes": [], "kv_cache_dtypes": []}
-    oldest = min(g.sm for g in gpus.value)
+    sms = [g.sm for g in gpus.value]
     return {
         "available": True,
         "reason": None,
-        "quant_modes": [m for m in BACKEND_QUANT_MODES["trtllm"] if MIN_SM_FOR_QUANT[m] <= oldest],
-        "kv_cache_dtypes": [k for k, sm in MIN_SM_FOR_KV.items() if sm <= oldest],
+        "quant_modes": [
+            m for m in BACKEND_QUANT_MODES["trtllm"] if all(quant_mode_builds_on(m, sm) for sm in sms)
+        ],
+        "kv_cache_dtypes": [k for k in MIN_SM_FOR_KV if all(kv_dtype_builds_on(k, sm) for sm in sms)],
     }
 
 

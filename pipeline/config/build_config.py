@@ -194,6 +194,18 @@ class EngineSection(_Strict):
     )
 
 
+# kv_cache.free_memory_fraction when a config leaves it unset. trtllm: tensorrtllm_backend's default for
+# kv_cache_free_gpu_mem_fraction, 0.9 (triton-inference-server/tensorrtllm_backend:docs/model_config.md@b155c0e,
+# inflight_batcher_llm/src/model_instance_state.cc@66a0624). torch: 0.2, as on CPU the cache comes out of RAM
+# the rest of the machine needs.
+KV_FREE_MEMORY_FRACTION_DEFAULT: dict[str, float] = {"trtllm": 0.9, "torch": 0.2}
+
+# Weight formats under which TensorRT-LLM's engine builder keeps paged context FMHA over an FP8 KV cache; it
+# turns use_paged_context_fmha off for an FP8 KV cache under any other weights, and for an INT8 KV cache
+# always (NVIDIA/TensorRT-LLM:1.1.0/_modules/tensorrt_llm/builder.html@8660c11, build()).
+FP8_KV_PAGED_CONTEXT_MODES: tuple[str, ...] = ("fp8", "w4a8_awq", "nvfp4")
+
+
 class KvCacheSection(_Strict):
     tokens_per_block: int = Field(
         32, ge=1, description="Tokens per paged-KV block (plugin_config.tokens_per_block)."
@@ -203,11 +215,13 @@ class KvCacheSection(_Strict):
         ge=1,
         description="KV capacity in tokens (max_tokens_in_paged_kv_cache); None = from free_memory_fraction.",
     )
-    free_memory_fraction: float = Field(
-        0.2,
+    free_memory_fraction: float | None = Field(
+        None,
         gt=0,
         le=1,
-        description="Share of free device memory (RAM on CPU) after weights for the KV cache (kv_cache_free_gpu_mem_fraction).",
+        description="Share of the memory still free once the engine is loaded (weights, activations, buffers) "
+        "that the KV cache takes (kv_cache_free_gpu_mem_fraction); None = the backend's default: 0.9 on trtllm "
+        "(tensorrtllm_backend's own default), 0.2 on torch (of free RAM on CPU, which the process shares).",
     )
     enable_block_reuse: bool = Field(
         False, description="Share full blocks between requests with a common prefix."
@@ -369,6 +383,12 @@ class BuildConfig(_Strict):
     def kv_blocks_per_sequence(self) -> int:
         return math.ceil(self.engine.max_seq_len / self.kv_cache.tokens_per_block)
 
+    @property
+    def kv_free_memory_fraction(self) -> float:
+        """kv_cache.free_memory_fraction, or the backend's default when the config leaves it unset."""
+        fraction = self.kv_cache.free_memory_fraction
+        return KV_FREE_MEMORY_FRACTION_DEFAULT[self.backend] if fraction is None else fraction
+
 
 def _check_lengths(cfg: BuildConfig) -> None:
     e = cfg.engine
@@ -397,17 +417,75 @@ def _check_kv_capacity(cfg: BuildConfig) -> None:
         )
 
 
+def _resolve_kv_free_memory_fraction(cfg: BuildConfig) -> None:
+    # Resolved once here, so everything that reads the config (the Triton parameters, the guards, the torch
+    # engine, config hashes) sees the value the runtime will use.
+    cfg.kv_cache.free_memory_fraction = cfg.kv_free_memory_fraction
+    if cfg.backend == "trtllm" and cfg.kv_free_memory_fraction >= 1:
+        # The executor refuses it: "freeMemFraction ... must be smaller than 1.0f"
+        # (NVIDIA/TensorRT-LLM:cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp@002ba6a, calculateFreeMemBytes).
+        raise ValueError(
+            f"kv_cache.free_memory_fraction={cfg.kv_free_memory_fraction} on backend=trtllm must be below 1 "
+            "(TensorRT-LLM refuses 1.0); use e.g. 0.9 or set kv_cache.max_tokens"
+        )
+
+
+def paged_context_fmha_blocker(cfg: BuildConfig) -> str | None:
+    """Why TensorRT-LLM's engine builder turns use_paged_context_fmha off for this config's formats, or None
+    when it keeps what the config asks for (always None off the trtllm backend)."""
+    q = cfg.quantization
+    if cfg.backend != "trtllm":
+        return None
+    if q.kv_cache_dtype == "int8":
+        return "an int8 KV cache (quantization.kv_cache_dtype=int8)"
+    if q.kv_cache_dtype == "fp8" and q.mode not in FP8_KV_PAGED_CONTEXT_MODES:
+        return (
+            f"an fp8 KV cache under quantization.mode={q.mode} weights (quantization.kv_cache_dtype=fp8 keeps it "
+            f"only with mode {' / '.join(FP8_KV_PAGED_CONTEXT_MODES)})"
+        )
+    return None
+
+
 def _check_paged_context(cfg: BuildConfig) -> None:
-    if cfg.kv_cache.use_paged_context_fmha:
+    # Chunked context and KV block reuse abort at engine load without paged context FMHA ("Chunked context
+    # requires context FMHA, paged kv_cache and paged context FMHA all enabled at the same time";
+    # NVIDIA/TensorRT-LLM:cpp/tensorrt_llm/batch_manager/trtGptModelInflightBatching.cpp@00825c4).
+    blocker = paged_context_fmha_blocker(cfg)
+    if cfg.kv_cache.use_paged_context_fmha and blocker is None:
         return
     for field, on in (
         ("scheduler.enable_chunked_context", cfg.scheduler.enable_chunked_context),
         ("kv_cache.enable_block_reuse", cfg.kv_cache.enable_block_reuse),
     ):
-        if on:
+        if not on:
+            continue
+        if blocker is None:
             raise ValueError(
                 f"{field}=true needs kv_cache.use_paged_context_fmha=true (context attention must read the paged cache)"
             )
+        raise ValueError(
+            f"{field}=true needs paged context FMHA, which TensorRT-LLM's engine builder turns off for {blocker}; "
+            f"use quantization.kv_cache_dtype=auto, or fp8 with mode {' / '.join(FP8_KV_PAGED_CONTEXT_MODES)}, "
+            f"or set {field}=false"
+        )
+
+
+def _check_draft_target(cfg: BuildConfig) -> None:
+    # TensorRT-LLM's draft-target flow (examples/draft_target_model/README.md@11925f6) needs KV block reuse,
+    # which the target's executor enforces ("KV cache block reuse must be enabled for speculative decoding
+    # target model", trtGptModelInflightBatching.cpp@00825c4), and has no beam search.
+    if cfg.backend != "trtllm" or cfg.speculative.mode != "draft_model":
+        return
+    if not cfg.kv_cache.enable_block_reuse:
+        raise ValueError(
+            "speculative.mode=draft_model on backend=trtllm needs kv_cache.enable_block_reuse=true (the target "
+            "engine refuses to load without KV block reuse); set kv_cache.enable_block_reuse: true"
+        )
+    if cfg.engine.max_beam_width > 1:
+        raise ValueError(
+            f"speculative.mode=draft_model on backend=trtllm has no beam search, but engine.max_beam_width="
+            f"{cfg.engine.max_beam_width}; use engine.max_beam_width: 1"
+        )
 
 
 def _check_backend_support(cfg: BuildConfig) -> None:
@@ -461,7 +539,14 @@ def _check_backend_support(cfg: BuildConfig) -> None:
         )
 
 
-_CROSS_FIELD_CHECKS = (_check_lengths, _check_kv_capacity, _check_paged_context, _check_backend_support)
+_CROSS_FIELD_CHECKS = (
+    _check_lengths,
+    _check_kv_capacity,
+    _resolve_kv_free_memory_fraction,
+    _check_draft_target,
+    _check_paged_context,
+    _check_backend_support,
+)
 
 
 def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:

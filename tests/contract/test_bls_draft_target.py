@@ -98,7 +98,12 @@ class StandInEngines:
 def _bls_args(tiny_llama_dir: Path, *, drafting: bool) -> dict[str, str]:
     trtllm = tiny_config(tiny_llama_dir, backend="trtllm")
     spec = {"mode": "draft_model", "max_draft_len": MAX_DRAFT_LEN, "draft_config": "draft.yaml"}
-    cfg = tiny_config(tiny_llama_dir, backend="trtllm", speculative=spec) if drafting else trtllm
+    reuse = {"enable_block_reuse": True}  # TensorRT-LLM's draft-target flow needs it
+    cfg = (
+        tiny_config(tiny_llama_dir, backend="trtllm", speculative=spec, kv_cache=reuse)
+        if drafting
+        else trtllm
+    )
     draft = DraftEngine(trtllm, Path("draft-engine"))
     text = render_configs(cfg, templates_dir(), Path("engine"), draft if drafting else None)[
         "tensorrt_llm_bls"

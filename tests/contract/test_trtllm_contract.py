@@ -82,13 +82,16 @@ def _config_matrix() -> list[BuildConfig]:
     for mode, spec, paged, batch in itertools.product(
         BACKEND_QUANT_MODES["trtllm"], spec_modes, (True, False), (4, 64)
     ):
+        if spec == "draft_model" and not paged:
+            continue  # draft-target needs KV block reuse, which needs paged context FMHA
         spec_cfg = {"mode": spec, "draft_config": "draft.yaml"}
         if spec == "lookahead":
             spec_cfg["max_draft_len"] = lookahead_max_draft_len(4, 3, 4)
         configs.append(BuildConfig.model_validate({
             "name": "matrix", "backend": "trtllm", "source": {"kind": "local", "path": "m"},
             "dtype": "bfloat16" if batch == 4 else "auto",
-            "quantization": {"mode": mode}, "kv_cache": {"use_paged_context_fmha": paged},
+            "quantization": {"mode": mode},
+            "kv_cache": {"use_paged_context_fmha": paged, "enable_block_reuse": spec == "draft_model"},
             "engine": {"max_batch_size": batch, "visualize_network": paged}, "speculative": spec_cfg,
             "parallel": {"tp_size": 1 + (batch == 64)},
         }))  # fmt: skip

@@ -11,6 +11,7 @@ from click.testing import CliRunner
 from pipeline.cli.main import cli
 from pipeline.config.build_config import BuildConfig, load_build_config
 from pipeline.errors import ConfigError
+from pipeline.serving.repository.engine_parameters import engine_parameters
 from tests.conftest import REPO_ROOT
 
 SHIPPED = sorted((REPO_ROOT / "build_configs").glob("*.yaml"))
@@ -128,6 +129,27 @@ def test_trtllm_accepts_what_torch_refuses(tmp_path: Path) -> None:
     )
     assert cfg.quantization.quant_algo == "FP8" and cfg.quantization.kv_cache_quant_algo == "FP8"
     assert cfg.parallel.world_size == 2
+
+
+def test_free_memory_fraction_defaults_to_the_backends_own() -> None:
+    # torch: 0.2 of free RAM on CPU; trtllm: tensorrtllm_backend's default 0.9 (docs/model_config.md)
+    torch_cfg = BuildConfig.model_validate(BASE)
+    trtllm_cfg = BuildConfig.model_validate({**BASE, "backend": "trtllm"})
+    assert (torch_cfg.kv_cache.free_memory_fraction, trtllm_cfg.kv_cache.free_memory_fraction) == (0.2, 0.9)
+    # everything that renders or hashes the config sees the resolved value
+    assert engine_parameters(torch_cfg)["kv_cache_free_gpu_mem_fraction"] == "0.2"
+    assert engine_parameters(trtllm_cfg)["kv_cache_free_gpu_mem_fraction"] == "0.9"
+    assert torch_cfg.model_dump()["kv_cache"]["free_memory_fraction"] == 0.2
+    explicit = BuildConfig.model_validate(
+        {**BASE, "backend": "trtllm", "kv_cache": {"free_memory_fraction": 0.5}}
+    )
+    assert explicit.kv_free_memory_fraction == 0.5
+
+
+def test_torch_draft_model_needs_no_block_reuse() -> None:
+    # TensorRT-LLM's draft-target flow needs KV block reuse; the torch engine's own draft model does not.
+    spec = {"mode": "draft_model", "draft_config": "draft.yaml"}
+    assert BuildConfig.model_validate({**BASE, "speculative": spec}).kv_cache.enable_block_reuse is False
 
 
 def test_overrides_are_typed_and_validated(tmp_path: Path) -> None:

@@ -170,7 +170,9 @@ def test_trtllm_draft_target_repository_serves_the_draft_engine(
         f"name: tiny-draft\nbackend: trtllm\nsource: {{kind: local, path: {tiny_llama_dir}}}\n"
     )
     spec = {"mode": "draft_model", "max_draft_len": 5, "draft_config": "draft.yaml"}
-    cfg = tiny_config(tiny_llama_dir, backend="trtllm", speculative=spec)
+    cfg = tiny_config(
+        tiny_llama_dir, backend="trtllm", speculative=spec, kv_cache={"enable_block_reuse": True}
+    )
     with pytest.raises(
         MissingArtifactError, match=r"speculative.draft_config=draft.yaml has no engine at .*tiny-draft"
     ):

@@ -61,7 +61,7 @@ def build(cfg: BuildConfig, ckpt_dir: Path, out_dir: Path) -> dict[str, Any]:
         build=parsed.build,
         runtime=RuntimeDefaults(
             kv_max_tokens=cfg.kv_cache.max_tokens,
-            kv_free_memory_fraction=cfg.kv_cache.free_memory_fraction,
+            kv_free_memory_fraction=cfg.kv_free_memory_fraction,
             enable_block_reuse=cfg.kv_cache.enable_block_reuse,
             enable_chunked_context=cfg.scheduler.enable_chunked_context,
             scheduler_policy=cfg.scheduler.policy,

@@ -11,7 +11,7 @@ import shlex
 from pathlib import Path
 
 from pipeline.backends.trtllm.versions import FLAG_CHOICES, PINNED, Release, release
-from pipeline.config.build_config import BuildConfig
+from pipeline.config.build_config import BuildConfig, paged_context_fmha_blocker
 from pipeline.errors import ConfigError
 
 # speculative.mode -> trtllm-build --speculative_decoding_mode
@@ -48,6 +48,33 @@ def max_draft_len(cfg: BuildConfig) -> int:
                 hint=f"Set speculative.max_draft_len: {needed}",
             )
     return spec.max_draft_len
+
+
+def engine_draft_len(cfg: BuildConfig) -> int:
+    """The engine's max_draft_len: what `--max_draft_len` passes for a speculative mode, else 0."""
+    return max_draft_len(cfg) if cfg.speculative.mode in SPECULATIVE_DECODING_MODE else 0
+
+
+# What trtllm-build records in the engine's build_config for a speculative engine: `build()` raises
+# max_seq_len by max_draft_len (the draft tokens ride on top of the sequence; EAGLE also adds its layer count,
+# a mode llmpipe does not build) and max_num_tokens to at least max_batch_size * (max_draft_len + 1)
+# (NVIDIA/TensorRT-LLM:1.1.0/_modules/tensorrt_llm/builder.html@8660c11).
+def engine_max_seq_len(cfg: BuildConfig) -> int:
+    """max_seq_len the built engine records (and sizes its KV blocks per sequence by)."""
+    return cfg.engine.max_seq_len + engine_draft_len(cfg)
+
+
+def engine_max_num_tokens(cfg: BuildConfig) -> int:
+    """max_num_tokens the built engine records: room for every sequence's draft tokens in one step."""
+    drafts = engine_draft_len(cfg)
+    floor = cfg.engine.max_batch_size * (drafts + 1) if drafts else 0
+    return max(cfg.engine.max_num_tokens, floor)
+
+
+def paged_context_fmha(cfg: BuildConfig) -> bool:
+    """--use_paged_context_fmha as the built engine will have it: the config's wish, unless the KV cache
+    format makes the builder turn it off (then the command line says so instead of asking for it)."""
+    return cfg.kv_cache.use_paged_context_fmha and paged_context_fmha_blocker(cfg) is None
 
 
 def plugin_dtype(cfg: BuildConfig) -> str:
@@ -95,7 +122,7 @@ def trtllm_build_argv(
         "--tokens_per_block", str(kv.tokens_per_block),
         "--gpt_attention_plugin", plugin_dtype(cfg),
         "--context_fmha", "enable",
-        "--use_paged_context_fmha", on[kv.use_paged_context_fmha],
+        "--use_paged_context_fmha", on[paged_context_fmha(cfg)],
         "--remove_input_padding", "enable",
         # More TensorRT optimization profiles: a longer build for faster steps across batch shapes.
         "--multiple_profiles", on[e.multiple_profiles],
@@ -105,7 +132,7 @@ def trtllm_build_argv(
         argv += ["--gemm_plugin", gemm]
     if cfg.speculative.mode in SPECULATIVE_DECODING_MODE:
         argv += ["--speculative_decoding_mode", SPECULATIVE_DECODING_MODE[cfg.speculative.mode]]
-        argv += ["--max_draft_len", str(max_draft_len(cfg))]
+        argv += ["--max_draft_len", str(engine_draft_len(cfg))]
     argv += ["--workers", str(build_workers(cfg))]
     if e.visualize_network:
         argv += ["--visualize_network", str(Path(engine_dir) / NETWORK_DIRNAME)]

@@ -12,6 +12,7 @@ import gc
 from pathlib import Path
 from typing import Any
 
+from pipeline.backends.trtllm import guards
 from pipeline.backends.trtllm.api import check_unified_checkpoint, hf_architecture, load_api, model_class_name
 from pipeline.backends.trtllm.versions import WEIGHT_ONLY_MODES
 from pipeline.config.build_config import BuildConfig
@@ -28,6 +29,7 @@ def convert_quant_algo(cfg: BuildConfig) -> str | None:
 
 
 def convert(cfg: BuildConfig, hf_dir: Path, out_dir: Path) -> dict[str, Any]:
+    guards.check_this_machine_supports(cfg)  # before conversion and calibration, not after them
     api = load_api()
     class_name = model_class_name(hf_dir)
     model_cls = api.model_class(class_name)

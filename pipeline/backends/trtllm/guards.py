@@ -5,7 +5,8 @@
 - prompt limits baked in at build that the model or the runtime cannot honour
 - runtime features (block reuse, chunked context, beam, speculative decoding, batch, world size) that
   need matching build flags: checked across the build config and the engine's recorded build_config
-- quantization formats on GPUs too old for them (fp8 -> SM89+, nvfp4 -> SM100+).
+- quantization formats on GPUs that cannot build them (fp8 -> SM89+, nvfp4 -> SM100+; no INT8/INT4
+  weight-only, SmoothQuant, per-channel/per-token or INT8 KV on SM100-SM119), checked before convert.
 """
 
 from __future__ import annotations
@@ -17,14 +18,21 @@ from typing import Any
 
 from pipeline.artifacts import require_manifest
 from pipeline.backends.trtllm import env
+from pipeline.backends.trtllm.build_cmd import engine_draft_len, engine_max_num_tokens, engine_max_seq_len
 from pipeline.backends.trtllm.env import Gpu
 from pipeline.backends.trtllm.versions import (
     MIN_SM_FOR_KV,
     MIN_SM_FOR_QUANT,
     PINNED_CONTAINER,
+    REFUSED_SMS_FOR_KV,
+    REFUSED_SMS_FOR_QUANT,
+    kv_dtype_builds_on,
+    quant_mode_builds_on,
     sm_label,
+    sm_range_label,
 )
 from pipeline.config.build_config import BuildConfig
+from pipeline.config.vocab import BACKEND_QUANT_MODES
 from pipeline.errors import ConfigError, ServingError
 
 _REBUILD_HINT = (
@@ -76,22 +84,39 @@ def check_gpu_matches(engine_facts: dict[str, Any], gpus: list[Gpu]) -> None:
         )
 
 
+def _why_not(value: str, sm: int, min_sm: dict[str, int], refused: dict[str, tuple[int, int]]) -> str:
+    if sm < min_sm[value]:
+        return f"needs a GPU of {sm_label(min_sm[value])} or newer"
+    return f"is refused by TensorRT-LLM's engine builder on {sm_range_label(refused[value])}"
+
+
 def check_gpu_supports(cfg: BuildConfig, gpus: list[Gpu]) -> None:
-    """Refuse quantization formats the GPUs cannot run (fp8 needs SM89+, nvfp4 SM100+)."""
-    if not gpus:
-        return
+    """Refuse quantization formats a GPU cannot build: too old (fp8 needs SM89+, nvfp4 SM100+) or refused
+    on its architecture (INT8/INT4 weight-only, SmoothQuant, FP8 per-channel/per-token, INT8 KV on SM100-119)."""
     q = cfg.quantization
-    oldest = min(gpus, key=lambda g: g.sm)
-    for what, need in (
-        (f"quantization.mode={q.mode}", MIN_SM_FOR_QUANT[q.mode]),
-        (f"quantization.kv_cache_dtype={q.kv_cache_dtype}", MIN_SM_FOR_KV[q.kv_cache_dtype]),
-    ):
-        if oldest.sm < need:
-            raise ConfigError(
-                f"{what} needs a GPU of {sm_label(need)} or newer; GPU {oldest.index} ({oldest.name}) is "
-                f"{sm_label(oldest.sm)}",
-                hint="Pick a format this GPU supports (e.g. int4_awq or int8_wo on Ampere) or a newer GPU.",
+    for gpu in gpus:
+        wrong = [
+            f"quantization.{field}={value} {_why_not(value, gpu.sm, min_sm, refused)}"
+            for field, value, builds, min_sm, refused in (
+                ("mode", q.mode, quant_mode_builds_on, MIN_SM_FOR_QUANT, REFUSED_SMS_FOR_QUANT),
+                ("kv_cache_dtype", q.kv_cache_dtype, kv_dtype_builds_on, MIN_SM_FOR_KV, REFUSED_SMS_FOR_KV),
             )
+            if not builds(value, gpu.sm)
+        ]
+        if wrong:
+            modes = [m for m in BACKEND_QUANT_MODES["trtllm"] if quant_mode_builds_on(m, gpu.sm)]
+            kv_dtypes = [k for k in MIN_SM_FOR_KV if kv_dtype_builds_on(k, gpu.sm)]
+            raise ConfigError(
+                f"{'; '.join(wrong)}; GPU {gpu.index} ({gpu.name}) is {sm_label(gpu.sm)}",
+                hint=f"On this GPU use quantization.mode {' / '.join(modes)} with kv_cache_dtype "
+                f"{' / '.join(kv_dtypes)}, or build on another GPU.",
+            )
+
+
+def check_this_machine_supports(cfg: BuildConfig) -> None:
+    """check_gpu_supports on this machine's GPUs (none found: nothing to check), for the steps before the
+    engine build, so a format this GPU cannot build fails before conversion and calibration run."""
+    check_gpu_supports(cfg, env.gpus().value or [])
 
 
 def check_world_size(cfg: BuildConfig, gpus: list[Gpu]) -> None:
@@ -104,8 +129,11 @@ def check_world_size(cfg: BuildConfig, gpus: list[Gpu]) -> None:
 
 # ---- KV capacity ------------------------------------------------------------------------------------
 def kv_tokens_for_one_sequence(cfg: BuildConfig) -> int:
-    """Tokens the paged cache must hold for one sequence: beam * tokens_per_block * blocks per sequence."""
-    return cfg.engine.max_beam_width * cfg.kv_cache.tokens_per_block * cfg.kv_blocks_per_sequence
+    """Tokens the paged cache must hold for one sequence: beam * tokens_per_block * blocks per sequence, the
+    blocks counted over the engine's max_seq_len (which a speculative build raises by max_draft_len)."""
+    tokens_per_block = cfg.kv_cache.tokens_per_block
+    blocks = math.ceil(engine_max_seq_len(cfg) / tokens_per_block)
+    return cfg.engine.max_beam_width * tokens_per_block * blocks
 
 
 def kv_bytes_per_token(cfg: BuildConfig, ckpt_config: dict[str, Any]) -> int:
@@ -115,30 +143,60 @@ def kv_bytes_per_token(cfg: BuildConfig, ckpt_config: dict[str, Any]) -> int:
     kv_heads = int(ckpt_config.get("num_key_value_heads") or heads)
     head_dim = int(ckpt_config.get("head_size") or ckpt_config["hidden_size"] // heads)
     kv = cfg.quantization.kv_cache_dtype
-    element = _DTYPE_BYTES[kv] if kv != "auto" else _DTYPE_BYTES.get(str(ckpt_config.get("dtype")), 2)
+    element = _DTYPE_BYTES[kv] if kv != "auto" else _compute_bytes(ckpt_config)
     per_gpu_layers = math.ceil(layers / cfg.parallel.pp_size)
     per_gpu_kv_heads = max(1, math.ceil(kv_heads / cfg.parallel.tp_size))
     return 2 * per_gpu_layers * per_gpu_kv_heads * head_dim * element
 
 
+def _compute_bytes(ckpt_config: dict[str, Any]) -> int:
+    return _DTYPE_BYTES.get(str(ckpt_config.get("dtype")), 2)
+
+
+def activation_bytes_floor(cfg: BuildConfig, ckpt_config: dict[str, Any]) -> int:
+    """The least activation memory the engine holds on one GPU: the MLP's gate and up projections of a full
+    step of max_num_tokens tokens, in the compute dtype (the hidden width when the checkpoint names no
+    intermediate_size). TensorRT fixes the real activation workspace when it builds the engine, sized by the
+    largest profile and roughly max_num_tokens times a network-dependent factor, and it is known only from the
+    built engine (`device_memory_size_v2`; NVIDIA/TensorRT-LLM:docs/source/legacy/reference/memory.md@4946125),
+    so before the build only this floor can be subtracted."""
+    intermediate = ckpt_config.get("intermediate_size")
+    width = (
+        2 * math.ceil(int(intermediate) / cfg.parallel.tp_size)
+        if intermediate
+        else int(ckpt_config["hidden_size"])
+    )
+    return engine_max_num_tokens(cfg) * width * _compute_bytes(ckpt_config)
+
+
 def kv_capacity_tokens(
     cfg: BuildConfig, ckpt_config: dict[str, Any], free_bytes: int, weight_bytes_per_gpu: int
 ) -> int:
-    """Tokens the runtime will give the paged cache: min(max_tokens, fraction of memory left after weights)."""
-    left = max(0, free_bytes - weight_bytes_per_gpu)
-    fitted = int(left * cfg.kv_cache.free_memory_fraction) // kv_bytes_per_token(cfg, ckpt_config)
+    """An upper bound on the tokens the runtime will give the paged cache.
+
+    The executor sizes the cache once the engine is loaded: kv_cache_free_gpu_mem_fraction of the memory
+    still free after the weights, the activation workspace and the runtime and decoder buffers are allocated,
+    capped by max_tokens_in_paged_kv_cache (NVIDIA/TensorRT-LLM:cpp/tensorrt_llm/batch_manager/
+    trtGptModelInflightBatching.cpp@00825c4 then kvCacheManager.cpp@002ba6a, calculateFreeMemBytes). Before
+    the build `free_bytes` is measured with none of that loaded: the weights and the activation floor are
+    taken off; the rest of the workspace and the buffers are not known, so the real capacity is lower.
+    """
+    left = max(0, free_bytes - weight_bytes_per_gpu - activation_bytes_floor(cfg, ckpt_config))
+    fitted = int(left * cfg.kv_free_memory_fraction) // kv_bytes_per_token(cfg, ckpt_config)
     return fitted if cfg.kv_cache.max_tokens is None else min(fitted, cfg.kv_cache.max_tokens)
 
 
 def check_kv_capacity(cfg: BuildConfig, capacity_tokens: int | None = None) -> dict[str, int]:
-    """Raise unless the cache holds one full sequence; return the numbers for the manifest."""
+    """Raise unless the cache holds one full sequence; return the numbers for the manifest (with a measured
+    `capacity_tokens`, upper bounds: see kv_capacity_tokens)."""
     needed = kv_tokens_for_one_sequence(cfg)
     capacity = cfg.kv_cache.max_tokens if capacity_tokens is None else capacity_tokens
     if capacity is not None and capacity < needed:
+        tokens_per_block = cfg.kv_cache.tokens_per_block
         raise ConfigError(
-            f"the KV cache holds {capacity} tokens, one sequence of engine.max_seq_len={cfg.engine.max_seq_len} "
-            f"needs {needed} (max_beam_width {cfg.engine.max_beam_width} * tokens_per_block "
-            f"{cfg.kv_cache.tokens_per_block} * {cfg.kv_blocks_per_sequence} blocks)",
+            f"the KV cache holds at most {capacity} tokens, one sequence of max_seq_len={engine_max_seq_len(cfg)} "
+            f"needs {needed} (max_beam_width {cfg.engine.max_beam_width} * tokens_per_block {tokens_per_block} "
+            f"* {needed // (cfg.engine.max_beam_width * tokens_per_block)} blocks)",
             hint="Raise kv_cache.max_tokens / kv_cache.free_memory_fraction, or lower engine.max_seq_len.",
         )
     numbers = {"kv_tokens_per_sequence": needed}
@@ -168,11 +226,6 @@ def effective_max_input_len(cfg: BuildConfig) -> int:
 # ---- runtime features vs the engine's build_config ------------------------------------------------------
 def check_build_features(cfg: BuildConfig) -> None:
     """Runtime features the build config asks for that need build flags, before building."""
-    if cfg.speculative.mode == "draft_model" and not cfg.kv_cache.use_paged_context_fmha:
-        raise ConfigError(
-            "speculative.mode=draft_model needs kv_cache.use_paged_context_fmha=true (the target re-reads its "
-            "cache when draft tokens are rejected)"
-        )
     if cfg.speculative.mode == "ngram":
         raise ConfigError(
             "speculative.mode=ngram (prompt lookup) has no server-side implementation in Triton's tensorrtllm "
@@ -206,6 +259,11 @@ def check_runtime_features(cfg: BuildConfig, engine_config: dict[str, Any]) -> N
     ):
         if on and not paged_fmha:
             raise _mismatch(field, "true", "use_paged_context_fmha", "disable")
+    drafts = engine_draft_len(cfg)
+    # A speculative build records max_seq_len + max_draft_len (see build_cmd.engine_max_seq_len).
+    seq_field = "engine.max_seq_len"
+    if drafts:
+        seq_field += f" + max_draft_len ({cfg.engine.max_seq_len} + {drafts})"
     checks = (
         (
             "kv_cache.tokens_per_block",
@@ -213,7 +271,7 @@ def check_runtime_features(cfg: BuildConfig, engine_config: dict[str, Any]) -> N
             "tokens_per_block",
             plugin.get("tokens_per_block"),
         ),
-        ("engine.max_seq_len", cfg.engine.max_seq_len, "max_seq_len", build.get("max_seq_len")),
+        (seq_field, engine_max_seq_len(cfg), "max_seq_len", build.get("max_seq_len")),
     )
     for field, runtime, engine_field, built in checks:
         if built is not None and runtime != built:
@@ -227,13 +285,9 @@ def check_runtime_features(cfg: BuildConfig, engine_config: dict[str, Any]) -> N
         if built is not None and limit is not None and limit > built:
             raise _mismatch(field, limit, engine_field, built)
     built_draft = int(build.get("max_draft_len") or 0)
-    wanted_draft = 0 if cfg.speculative.mode in ("none", "ngram") else cfg.speculative.max_draft_len
-    if built_draft != wanted_draft:
+    if built_draft != drafts:
         raise _mismatch(
-            f"speculative.mode={cfg.speculative.mode} max_draft_len",
-            wanted_draft,
-            "max_draft_len",
-            built_draft,
+            f"speculative.mode={cfg.speculative.mode} max_draft_len", drafts, "max_draft_len", built_draft
         )
     world = mapping.get("world_size") or (mapping.get("tp_size", 1) * mapping.get("pp_size", 1))
     if mapping and world != cfg.parallel.world_size:

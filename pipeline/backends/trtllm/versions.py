@@ -146,6 +146,40 @@ MIN_SM_FOR_QUANT: dict[str, int] = {
 }
 MIN_SM_FOR_KV: dict[str, int] = {"auto": 80, "int8": 80, "fp8": 89}
 
+# Compute capabilities (first, last) on which the engine builder refuses a format outright. The pinned
+# release's `tensorrt_llm.builder.build` raises for SM100-SM119 (data-centre Blackwell: B200, GB200, B300) on
+# INT8/INT4 weight-only weights, an INT8 KV cache, SmoothQuant and per-channel/per-token scaling
+# (NVIDIA/TensorRT-LLM:1.1.0/_modules/tensorrt_llm/builder.html@8660c11, the 1.1.0 source as rendered on
+# gh-pages). Which modes those are follows `QuantMode.from_quant_algo`
+# (NVIDIA/TensorRT-LLM:1.1.0/_modules/tensorrt_llm/quantization/mode.html@8660c11): W4A16_AWQ and W4A8_AWQ
+# both map to INT4 weight-only flags (W4A8's FP8 activations are not a QuantMode flag), and
+# FP8_PER_CHANNEL_PER_TOKEN sets the per-channel and per-token flags. SM120+ (RTX Blackwell) is not refused.
+_BLACKWELL_DATACENTER = (100, 119)
+REFUSED_SMS_FOR_QUANT: dict[str, tuple[int, int]] = {
+    "int8_wo": _BLACKWELL_DATACENTER,
+    "int4_wo": _BLACKWELL_DATACENTER,
+    "int4_awq": _BLACKWELL_DATACENTER,
+    "w4a8_awq": _BLACKWELL_DATACENTER,
+    "int8_sq": _BLACKWELL_DATACENTER,
+    "fp8_pc_pt": _BLACKWELL_DATACENTER,
+}
+REFUSED_SMS_FOR_KV: dict[str, tuple[int, int]] = {"int8": _BLACKWELL_DATACENTER}
+
+
+def quant_mode_builds_on(mode: str, sm: int) -> bool:
+    """Whether an engine of quantization mode `mode` builds for a GPU of compute capability `sm`."""
+    return _builds_on(sm, MIN_SM_FOR_QUANT[mode], REFUSED_SMS_FOR_QUANT.get(mode))
+
+
+def kv_dtype_builds_on(kv_cache_dtype: str, sm: int) -> bool:
+    """Whether an engine with KV cache element type `kv_cache_dtype` builds for compute capability `sm`."""
+    return _builds_on(sm, MIN_SM_FOR_KV[kv_cache_dtype], REFUSED_SMS_FOR_KV.get(kv_cache_dtype))
+
+
+def _builds_on(sm: int, min_sm: int, refused: tuple[int, int] | None) -> bool:
+    return sm >= min_sm and not (refused and refused[0] <= sm <= refused[1])
+
+
 # Modes TensorRT-LLM quantizes through ModelOpt calibration (LLaMAForCausalLM.quantize); the weight-only
 # modes are converted directly by from_hugging_face.
 CALIBRATED_MODES: frozenset[str] = frozenset({"int4_awq", "w4a8_awq", "int8_sq", "fp8", "fp8_pc_pt", "nvfp4"})
@@ -154,3 +188,7 @@ WEIGHT_ONLY_MODES: frozenset[str] = frozenset({"int8_wo", "int4_wo"})
 
 def sm_label(sm: int) -> str:
     return f"SM{sm} ({sm // 10}.{sm % 10})"
+
+
+def sm_range_label(sms: tuple[int, int]) -> str:
+    return f"SM{sms[0]}-SM{sms[1]}"
