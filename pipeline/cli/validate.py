@@ -41,7 +41,9 @@ def validate(
     Metrics: teacher-forced greedy agreement, next-token top-1 agreement and mean KL(reference || engine) and
     the perplexity delta on held-out text, ROUGE-1/2/L of summaries and exact match on short questions (the
     eval set ships with llmpipe). Bounds come from `validation.thresholds` in the config; unset ones default
-    per quantization mode (exact agreement for an unquantized float32 engine). The table goes to stdout, the
+    per quantization mode (exact agreement for an unquantized float32 engine). A trtllm build, whose engine needs a GPU,
+    is measured before any GPU time: its ModelOpt-quantized checkpoint runs in ModelOpt's simulated
+    quantization (the same weights and scales the export writes) on CPU. The table goes to stdout, the
     full report with every sample's outputs to build/<name>/validation/validation.json. An unchanged engine
     and config are not measured twice: the recorded verdict is shown (and still fails).
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +38,16 @@ class StageSpec:
     # Files outside the work dir that the output depends on (e.g. calibration data): their digests key
     # reuse like an earlier stage's manifest does, so editing one redoes the stage.
     data_files: Callable[[BuildConfig], dict[str, Path]] = lambda cfg: {}
+    # Backends whose output this stage reads from other stages than `inputs` (e.g. validation of a trtllm
+    # build on a host without a GPU reads the quantized checkpoint, not an engine).
+    backend_inputs: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def dirname(self) -> str:
         return STAGE_DIRNAMES[self.name]
+
+    def inputs_for(self, cfg: BuildConfig) -> tuple[str, ...]:
+        return self.backend_inputs.get(cfg.backend, self.inputs)
 
 
 @dataclass(frozen=True)
@@ -58,7 +64,7 @@ def stage_dir(cfg: BuildConfig, spec: StageSpec) -> Path:
 
 def load_inputs(cfg: BuildConfig, spec: StageSpec, specs: dict[str, StageSpec]) -> dict[str, StageInput]:
     inputs = {}
-    for name in spec.inputs:
+    for name in spec.inputs_for(cfg):
         folder = stage_dir(cfg, specs[name])
         inputs[name] = StageInput(folder, require_manifest(folder, name))
     return inputs

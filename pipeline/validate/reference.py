@@ -29,7 +29,8 @@ class ReferenceModel:
 
     name = "reference (HF transformers, float32)"
 
-    def __init__(self, checkpoint: Path) -> None:
+    def __init__(self, checkpoint: Path, model: torch.nn.Module | None = None) -> None:
+        """`model`: another model of this checkpoint's tokenizer to run instead of the float32 one."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
@@ -40,7 +41,9 @@ class ReferenceModel:
             )
         self.checkpoint = checkpoint
         self.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-        self.model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+        if model is None:
+            model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+        self.model = model.eval()
         self.stop_ids = stop_token_ids(checkpoint, self.tokenizer)
 
     @torch.inference_mode()

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config.build_config import BuildConfig
-from pipeline.errors import MissingArtifactError
+from pipeline.errors import ConfigError, MissingArtifactError
 from pipeline.stages.fetch import checkpoint_dir
 from pipeline.stages.runner import StageInput
 from pipeline.validate.data import load_eval_set
@@ -27,7 +27,8 @@ def run(
     plot: bool = False,
     check: bool = True,
 ) -> dict[str, Any]:
-    """inputs: "fetch" (the reference checkpoint) and, unless `endpoint` is given, "engine".
+    """inputs: "fetch" (the reference checkpoint) and, unless `endpoint` is given, "engine" — or for a
+    TensorRT-LLM build "quantize", whose ModelOpt-quantized model is measured in simulation.
 
     With `endpoint` (a Triton URL), the deployment behind it is validated through its ensemble instead of
     the in-process engine; only the text metrics can be measured there (the report says why).
@@ -46,6 +47,14 @@ def run(
         from pipeline.validate.endpoint import EndpointTarget
 
         target = EndpointTarget(endpoint)
+    elif "quantize" in inputs:
+        from pipeline.validate.simulated import SimulatedTarget
+
+        require_simulation(cfg)
+        target = SimulatedTarget(
+            checkpoint_dir(inputs["fetch"]), inputs["quantize"].dir, cfg.engine.max_input_len
+        )
+        compute_dtype = "float32"
     else:
         if engine_input is None:
             raise MissingArtifactError(
@@ -79,6 +88,19 @@ def run(
     if check:
         raise_for_failures([(report, str(report_path))])
     return report
+
+
+def require_simulation(cfg: BuildConfig) -> None:
+    """Only formats ModelOpt quantizes can be simulated on a host without TensorRT-LLM."""
+    from pipeline.quantize.modelopt.formats import uses_modelopt
+
+    q = cfg.quantization
+    if not uses_modelopt(q.mode, q.kv_cache_dtype):
+        raise ConfigError(
+            f"quantization.mode={q.mode} kv_cache_dtype={q.kv_cache_dtype} on backend={cfg.backend}: llmpipe "
+            "simulates only the formats ModelOpt quantizes, and this one is produced by TensorRT-LLM itself",
+            hint="Validate the served deployment instead: llmpipe validate CONFIG --endpoint http://HOST:8000",
+        )
 
 
 def _compute_dtype(cfg: BuildConfig, engine_input: StageInput | None) -> str | None:

@@ -39,8 +39,11 @@ def load_report(result: StageResult) -> dict[str, Any]:
 
 def describe(cfg: BuildConfig, out: Path) -> list[str]:
     v = cfg.validation
+    measured = "the engine"
+    if "quantize" in SPEC.inputs_for(cfg):
+        measured = "the ModelOpt-quantized model (simulated quantization, float32 on CPU)"
     return [
-        f"run the engine and the float32 HF reference on the {v.dataset} eval set ({v.num_samples} samples "
+        f"run {measured} and the float32 HF reference on the {v.dataset} eval set ({v.num_samples} samples "
         f"per metric, {v.max_new_tokens} new tokens); gate on validation.thresholds -> {out}/{REPORT_FILE}"
     ]
 
@@ -50,6 +53,8 @@ SPEC = StageSpec(
     # quantization and dtype pick the default thresholds; the engine's digest covers everything it ran.
     config_sections=("validation", "quantization", "dtype"),
     inputs=("fetch", "engine"),
+    # trtllm engines run only on a GPU: their quantized checkpoint is validated in simulation on any host
+    backend_inputs={"trtllm": ("fetch", "quantize")},
     produce=produce,
     describe=describe,
     summary="Check the engine's accuracy against the HF reference (greedy agreement, KL, perplexity, ROUGE).",
