@@ -1,18 +1,20 @@
 """convert / quantize / build of the trtllm backend.
 
 convert and quantize run against tests/stand_in_tensorrt_llm, a package with TensorRT-LLM 1.2's signatures
-that records calls (the real one cannot be installed here): the tests assert the exact calls. build runs a
-fake `trtllm-build` on PATH that writes what the real one writes, to check the orchestration around it: the
-guards, the streamed and kept log, the ONNX check, the manifest facts. Without TensorRT-LLM every step
+that records calls (the real one cannot be installed here): the tests assert the exact calls. build runs
+tests/contract/fake_trtllm_build.py as `trtllm-build` on PATH: TensorRT-LLM 1.1.0's recorded command line and
+outputs (tests/contract/upstream/), to check the orchestration around it: the guards, the streamed and kept
+log, the ONNX check, the manifest facts, and that what llmpipe reads of config.json is upstream's layout. Without TensorRT-LLM every step
 stops at once with what to install, while the plan still prints.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
+import subprocess
 import sys
-import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,13 +22,17 @@ from typing import Any
 import pytest
 
 from pipeline.backends.trtllm import build as build_step
-from pipeline.backends.trtllm import env
+from pipeline.backends.trtllm import env, guards
+from pipeline.backends.trtllm.build_cmd import NETWORK_DIRNAME
 from pipeline.backends.trtllm.convert import convert
 from pipeline.backends.trtllm.plan import plan
 from pipeline.backends.trtllm.quantize import quantize
 from pipeline.config.build_config import BuildConfig
-from pipeline.errors import BackendUnavailableError, ConfigError
+from pipeline.errors import BackendUnavailableError, ConfigError, ServingError
 from pipeline.quantize.calibration import load_records
+from tests.contract import fake_trtllm_build, upstream_facts
+from tests.contract.render import CONFIG_DIR, load
+from tests.contract.upstream_facts import RELEASE, key_paths, layout_children
 
 STAND_IN = Path(__file__).resolve().parents[1] / "stand_in_tensorrt_llm"
 
@@ -201,47 +207,20 @@ def test_quantize_lm_head_is_refused_on_this_path(trtllm: Any, hf_dir: Path, tmp
         quantize(cfg, tmp_path, tmp_path / "q", hf_dir=hf_dir)
 
 
-# ---- build --------------------------------------------------------------------------------------------------
-FAKE_TRTLLM_BUILD = textwrap.dedent('''\
-    #!{python}
-    """Writes what trtllm-build writes: config.json, rank engines, and with --visualize_network one
-    network.onnx (builder.py's Network.to_onnx) into a folder that must already exist."""
-    import json, sys
-    from pathlib import Path
-    import onnx
-    from onnx import TensorProto, helper
-    args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
-    Path("{argv_file}").write_text(json.dumps(sys.argv[1:]))
-    if args.get("--max_batch_size") == "13":
-        print("[TRT-LLM] [E] out of memory"); sys.exit(3)
-    out = Path(args["--output_dir"])
-    print("[TRT-LLM] [I] Build phase started")
-    ckpt = json.loads((Path(args["--checkpoint_dir"]) / "config.json").read_text())
-    world = ckpt["mapping"]["world_size"]
-    (out / "config.json").write_text(json.dumps({{"version": "1.2.0", "pretrained_config": ckpt,
-        "build_config": {{"max_batch_size": int(args["--max_batch_size"])}}}}))
-    for rank in range(world):
-        (out / f"rank{{rank}}.engine").write_bytes(b"plan")
-    if "--visualize_network" in args:
-        # one file for every rank, into a folder it does not create, with TensorRT layer types
-        x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])
-        y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])
-        graph = helper.make_graph([helper.make_node("PLUGIN_V2", ["x"], ["y"])], "network", [x], [y])
-        onnx.save(helper.make_model(graph), str(Path(args["--visualize_network"]) / "network.onnx"))
-    print("[TRT-LLM] [I] Engine serialized")
-''')
-
-
+# ---- build ----------------------------------------------------------------------------------------------
 @pytest.fixture
 def gpu_host(trtllm: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A fake GPU host: two H100s, TensorRT 10.14, and a `trtllm-build` on PATH. Returns the argv record file."""
+    """A fake GPU host: two H100s, TensorRT 10.14, the recorded TensorRT-LLM release with its `trtllm-build`
+    on PATH (tests/contract/fake_trtllm_build.py), run from a scratch working directory. Returns the file
+    the fake records its argv to."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
+    fake_trtllm_build.write_launcher(bin_dir)
     argv_file = tmp_path / "argv.json"
-    script = bin_dir / "trtllm-build"
-    script.write_text(FAKE_TRTLLM_BUILD.format(python=sys.executable, argv_file=argv_file))
-    script.chmod(0o755)
+    monkeypatch.setenv(fake_trtllm_build.ARGV_ENV, str(argv_file))
     monkeypatch.setenv("PATH", f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin:/bin")
+    monkeypatch.setattr(trtllm, "__version__", RELEASE)  # one release, as inside the serving image
+    monkeypatch.chdir(tmp_path)
     h100 = [env.Gpu(i, "NVIDIA H100 80GB HBM3", "9.0", 81559, 80000) for i in range(2)]
     monkeypatch.setattr(env, "gpus", lambda: env.Probe(h100))
     monkeypatch.setattr(env, "tensorrt_version", lambda: env.Probe("10.14.1.48"))
@@ -250,8 +229,9 @@ def gpu_host(trtllm: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Pa
 
 def _checkpoint(folder: Path, world: int, max_positions: int = 8192) -> Path:
     folder.mkdir()
-    config = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096,
-              "dtype": "float16", "max_position_embeddings": max_positions,
+    config = {"architecture": "LlamaForCausalLM", "num_hidden_layers": 32, "num_attention_heads": 32,
+              "num_key_value_heads": 8, "hidden_size": 4096, "dtype": "float16",
+              "max_position_embeddings": max_positions,
               "mapping": {"world_size": world, "tp_size": world, "pp_size": 1}}  # fmt: skip
     (folder / "config.json").write_text(json.dumps(config))
     for rank in range(world):
@@ -268,15 +248,32 @@ def test_build_runs_trtllm_build_and_records_the_facts_p1_needs(gpu_host: Path, 
     assert argv[:4] == ["--checkpoint_dir", str(ckpt), "--output_dir", str(out)]
     assert facts["argv"][1:] == argv
     log = (out / "trtllm-build.log").read_text()
-    assert log.startswith("$ trtllm-build") and "Engine serialized" in log
-    assert (facts["tensorrt_llm_version"], facts["tensorrt_version"]) == ("1.2.0", "10.14.1.48")
+    assert log.startswith("$ trtllm-build") and "Engine serialized for rank 1" in log
+    assert (facts["tensorrt_llm_version"], facts["tensorrt_version"]) == (RELEASE, "10.14.1.48")
     assert (facts["gpu_compute_capability"], facts["release"], facts["engine_version"]) == (
         "9.0",
-        "1.2.0",
-        "1.2.0",
+        RELEASE,
+        RELEASE,
     )
     assert "--visualize_network" not in argv and facts["network_onnx"] == []  # off by default
     assert facts["kv_tokens_per_sequence"] == 2048 and facts["kv_full_sequences"] > 100
+
+
+def test_the_engine_folder_holds_what_trtllm_build_writes(gpu_host: Path, tmp_path: Path) -> None:
+    ckpt, out = _checkpoint(tmp_path / "ckpt", 2), tmp_path / "engine.tmp"
+    out.mkdir()
+    build_step.build(make_cfg(parallel={"tp_size": 2}), ckpt, out)
+    # upstream's files, plus the log llmpipe keeps beside them
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json", "rank0.engine", "rank1.engine", build_step.BUILD_LOG_NAME]  # fmt: skip
+    engine_config = json.loads((out / "config.json").read_text())
+    layout = upstream_facts.engine_config_layout()
+    # below the objects the layout lists no keys of (pretrained_config, lora_config, ...) is not its business
+    written = {p for p in key_paths(engine_config) if "." not in p or layout_children(p.rsplit(".", 1)[0])}
+    assert written == set(layout)
+    assert engine_config["pretrained_config"] == json.loads((ckpt / "config.json").read_text())
+    # the timing cache goes where --output_timing_cache says: by default the working directory
+    assert (tmp_path / "model.cache").is_file()
 
 
 def test_the_engine_folder_carries_the_checkpoints_tokenizer(gpu_host: Path, tmp_path: Path) -> None:
@@ -295,15 +292,37 @@ def test_visualize_network_gets_its_folder_and_the_network_is_recorded(
     ckpt, out = _checkpoint(tmp_path / "ckpt", 2), tmp_path / "engine.tmp"
     out.mkdir()
     facts = build_step.build(cfg, ckpt, out)
-    (network,) = facts["network_onnx"]
+    (network,) = facts["network_onnx"]  # every rank writes the same file
     assert network["file"] == "network.onnx" and network["bytes"] > 0
+    assert (out / NETWORK_DIRNAME / "network.onnx").is_file()
 
 
-def test_failed_build_keeps_its_log_beside_the_work_dir(gpu_host: Path, tmp_path: Path) -> None:
+def test_trtllm_build_fails_when_the_network_folder_is_missing(gpu_host: Path, tmp_path: Path) -> None:
+    ckpt = _checkpoint(tmp_path / "ckpt", 1)
+    argv = ["trtllm-build", "--checkpoint_dir", str(ckpt), "--output_dir", str(tmp_path / "e"),
+            "--visualize_network", str(tmp_path / "absent")]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    assert done.returncode == 1 and "FileNotFoundError" in done.stderr
+
+
+def test_trtllm_build_refuses_a_flag_it_lacks_with_exit_2(gpu_host: Path, tmp_path: Path) -> None:
+    ckpt = _checkpoint(tmp_path / "ckpt", 1)
+    done = subprocess.run(
+        ["trtllm-build", "--checkpoint_dir", str(ckpt), "--paged_kv_cache_type", "paged"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.startswith("usage: trtllm-build") and "unrecognized arguments" in done.stderr
+
+
+def test_failed_build_keeps_its_log_beside_the_work_dir(
+    gpu_host: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     ckpt, out = _checkpoint(tmp_path / "ckpt", 1), tmp_path / "engine.tmp"
     out.mkdir()
-    with pytest.raises(build_step.EngineBuildError, match="exited with 3"):
-        build_step.build(make_cfg(engine={"max_batch_size": 13}), ckpt, out)
+    monkeypatch.setenv(fake_trtllm_build.FAIL_ENV, "out of memory")
+    with pytest.raises(build_step.EngineBuildError, match="exited with 1"):
+        build_step.build(make_cfg(), ckpt, out)
     assert "out of memory" in (tmp_path / build_step.FAILED_LOG_NAME).read_text()
 
 
@@ -313,3 +332,66 @@ def test_guards_run_before_trtllm_build(gpu_host: Path, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="max_position_embeddings=1024"):
         build_step.build(make_cfg(), ckpt, out)
     assert not gpu_host.exists()  # trtllm-build never ran
+
+
+class _Recorder(dict[str, Any]):
+    """A dict that records every key read from it (nested dicts too), as dotted paths into `seen`."""
+
+    def __init__(self, data: dict[str, Any], seen: set[str], prefix: str = "") -> None:
+        super().__init__(data)
+        self.seen, self.prefix = seen, prefix
+
+    def _wrap(self, key: str, value: Any) -> Any:
+        self.seen.add(self.prefix + key)
+        return _Recorder(value, self.seen, f"{self.prefix}{key}.") if isinstance(value, dict) else value
+
+    def __getitem__(self, key: str) -> Any:
+        return self._wrap(key, super().__getitem__(key))
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.seen.add(self.prefix + key)
+        return self._wrap(key, super().__getitem__(key)) if key in self else default
+
+
+def _built_engine(name: str, tmp_path: Path) -> tuple[BuildConfig, Path, Path]:
+    cfg = load(CONFIG_DIR / f"{name}.yaml")
+    ckpt, out = _checkpoint(tmp_path / "ckpt", cfg.parallel.world_size), tmp_path / "engine.tmp"
+    out.mkdir()
+    return cfg, ckpt, out
+
+
+CONTRACT_CONFIGS = ["fp16-tp1", "int4-awq-tp2", "fp8-kv-reuse-chunked", "draft-target", "lookahead"]
+
+
+@pytest.mark.parametrize("name", CONTRACT_CONFIGS)
+def test_what_llmpipe_reads_of_the_engine_config_is_upstreams_layout(
+    gpu_host: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """Every key build and the serve-time guards read from config.json is in the recorded layout (or, under
+    pretrained_config, in the checkpoint's config.json that trtllm-build copies there)."""
+    cfg, ckpt, out = _built_engine(name, tmp_path)
+    seen: set[str] = set()
+    loads = json.loads
+    with monkeypatch.context() as patch:
+        patch.setattr(build_step.json, "loads", lambda text: _recorded(loads(text), seen))
+        build_step.build(cfg, ckpt, out)
+    with contextlib.suppress(ServingError):  # a refusal only ends the reading early: see the next test
+        guards.check_runtime_features(cfg, _Recorder(json.loads((out / "config.json").read_text()), seen))
+    layout = upstream_facts.engine_config_layout()
+    checkpoint_keys = key_paths(json.loads((ckpt / "config.json").read_text()), "pretrained_config.")
+    assert {"version", "build_config.max_seq_len", "build_config.plugin_config.tokens_per_block"} <= seen
+    assert seen <= set(layout) | checkpoint_keys, seen - set(layout) - checkpoint_keys
+
+
+@pytest.mark.parametrize("name", CONTRACT_CONFIGS)
+def test_an_engine_passes_the_runtime_checks_of_its_own_config(
+    gpu_host: Path, tmp_path: Path, name: str
+) -> None:
+    cfg, ckpt, out = _built_engine(name, tmp_path)
+    build_step.build(cfg, ckpt, out)
+    guards.check_runtime_features(cfg, json.loads((out / "config.json").read_text()))
+
+
+def _recorded(data: Any, seen: set[str]) -> Any:
+    """Record reads only of engine configs (the build also parses the checkpoint's config.json)."""
+    return _Recorder(data, seen) if isinstance(data, dict) and "build_config" in data else data
