@@ -247,6 +247,12 @@ class ServingSection(_Strict):
     http_port: int = Field(8000, ge=1, le=65535, description="HTTP/REST port.")
     grpc_port: int = Field(8001, ge=1, le=65535, description="gRPC port.")
     metrics_port: int = Field(8002, ge=1, le=65535, description="Prometheus metrics port.")
+    interface: Literal["inflight_batcher_llm", "llmapi"] = Field(
+        "inflight_batcher_llm",
+        description="Triton model layout (the folder names of TensorRT-LLM's triton_backend/all_models): "
+        "inflight_batcher_llm = ensemble, pre/postprocessing, tensorrt_llm (token ids) and tensorrt_llm_bls; "
+        "llmapi = one text-in, text-out model tensorrt_llm with sampling_param_* inputs (torch backend).",
+    )
     decoupled: bool = Field(True, description="Decoupled transaction policy (needed for streaming).")
     streaming: bool = Field(True, description="Allow streamed responses (requires decoupled).")
     triton_max_batch_size: int | None = Field(
@@ -539,6 +545,15 @@ def _check_backend_support(cfg: BuildConfig) -> None:
         )
 
 
+def _check_serving_interface(cfg: BuildConfig) -> None:
+    if cfg.serving.interface == "llmapi" and cfg.backend == "trtllm":
+        raise ValueError(
+            "serving.interface=llmapi runs the engine inside a Python model and backend=trtllm builds TensorRT "
+            "engines, which Triton serves through serving.interface=inflight_batcher_llm; use backend=torch or "
+            "serving.interface=inflight_batcher_llm"
+        )
+
+
 _CROSS_FIELD_CHECKS = (
     _check_lengths,
     _check_kv_capacity,
@@ -546,6 +561,7 @@ _CROSS_FIELD_CHECKS = (
     _check_draft_target,
     _check_paged_context,
     _check_backend_support,
+    _check_serving_interface,
 )
 
 

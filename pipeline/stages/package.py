@@ -1,4 +1,4 @@
-"""package: render the Triton model repository (ensemble, pre/postprocessing, tensorrt_llm, BLS)."""
+"""package: render the Triton model repository of serving.interface (inflight_batcher_llm or llmapi)."""
 
 from __future__ import annotations
 
@@ -16,11 +16,13 @@ def produce(cfg: BuildConfig, inputs: dict[str, StageInput], out: Path) -> dict[
 
 
 def describe(cfg: BuildConfig, out: Path) -> list[str]:
+    from pipeline.serving.repository.render import repository_models
+
     s = cfg.serving
     backend = "tensorrtllm" if cfg.backend == "trtllm" else "python"
     return [
-        f"render model repository -> {out}: ensemble, preprocessing, tensorrt_llm (backend {backend}, "
-        f"decoupled {str(s.decoupled).lower()}), postprocessing, tensorrt_llm_bls"
+        f"render model repository ({s.interface}) -> {out}: {', '.join(repository_models(cfg))} "
+        f"(tensorrt_llm: backend {backend}, decoupled {str(s.decoupled).lower()})"
     ]
 
 

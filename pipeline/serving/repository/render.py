@@ -3,7 +3,9 @@
 error (never a silent `${x}`), and every config.pbtxt is parsed with Triton's own protobuf schema and
 its ensemble wiring checked before anything is written.
 
-Layout (relocatable: paths inside are relative to each model's version folder):
+Layout (relocatable: paths inside are relative to each model's version folder), by serving.interface:
+
+inflight_batcher_llm (templates/<model>/):
 
     ensemble/config.pbtxt, ensemble/1/
     preprocessing/config.pbtxt, preprocessing/1/{model.py, tokenizer/}
@@ -15,6 +17,11 @@ Layout (relocatable: paths inside are relative to each model's version folder):
 TensorRT-LLM's draft-target speculation (trtllm, speculative.mode=draft_model) runs in the BLS: the draft
 engine is served as `tensorrt_llm_draft` (the tensorrt_llm template, like tensorrtllm_backend's copy of it)
 and the BLS names it in `tensorrt_llm_draft_model_name`. The torch engine drafts for itself: no extra model.
+
+llmapi (templates/llmapi/<model>/, TensorRT-LLM's all_models/llmapi; torch backend only):
+
+    tensorrt_llm/config.pbtxt, tensorrt_llm/1/{model.py, model.yaml, engine/}   (engine hard-linked in, its
+                                                                                  tokenizer inside)
 """
 
 from __future__ import annotations
@@ -36,7 +43,12 @@ from pipeline.serving.repository.pbtxt import check_ensemble, parse_model_config
 MODELS = ("ensemble", "preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls")
 DRAFT_MODEL = "tensorrt_llm_draft"
 TOKENIZER_MODELS = ("preprocessing", "postprocessing", "tensorrt_llm_bls")
+LLMAPI_TEMPLATES = "llmapi"  # templates/llmapi/tensorrt_llm: the one model of serving.interface=llmapi
+ENGINE_MODEL = "tensorrt_llm"
 TEMPLATE_NAME = "config.pbtxt.tmpl"
+MODEL_YAML = "model.yaml"
+# How often the engine model asks Triton whether clients went away (its cancellation_check_period_ms).
+CANCELLATION_CHECK_PERIOD_MS = 50
 ENGINE_SUBDIR = "engine"
 TOKENIZER_SUBDIR = "tokenizer"
 
@@ -69,14 +81,20 @@ def torch_parameters(cfg: BuildConfig) -> dict[str, str]:
     serving = cfg.serving
     params = {
         **engine_parameters(cfg),
-        "gpt_model_path": ENGINE_SUBDIR,
         "device": cfg.engine.device,
         # The engine's own admission bound: what runs plus what Triton may queue.
         "max_pending_requests": str(cfg.engine.max_batch_size + serving.max_queue_size),
         "stats_check_period_ms": "100",
-        "cancellation_check_period_ms": "50",
         "request_timeout_s": repr(float(serving.request_timeout_s)),
     }
+    if serving.interface == "llmapi":
+        # The engine path and the cancellation period are model.yaml keys there (upstream's home for
+        # them); the model tokenizes and detokenizes itself.
+        params["add_special_tokens"] = pbtxt_flag(serving.add_special_tokens)
+        params["skip_special_tokens"] = pbtxt_flag(serving.skip_special_tokens)
+    else:
+        params["gpt_model_path"] = ENGINE_SUBDIR
+        params["cancellation_check_period_ms"] = str(CANCELLATION_CHECK_PERIOD_MS)
     return params
 
 
@@ -124,6 +142,8 @@ def template_values(cfg: BuildConfig, engine_param_path: Path | None = None) -> 
         "exclude_input_in_output": pbtxt_flag(serving.exclude_input_in_output),
         "max_input_len": str(engine.max_input_len),
         "max_seq_len": str(engine.max_seq_len),
+        "engine_subdir": ENGINE_SUBDIR,
+        "cancellation_check_period_ms": str(CANCELLATION_CHECK_PERIOD_MS),
     }
     if cfg.backend == "trtllm":
         from pipeline.backends.trtllm.triton_params import tensorrt_llm_header, tensorrt_llm_parameters
@@ -195,7 +215,10 @@ def render_configs(
     """model name -> rendered, parsed and cross-checked config.pbtxt text. Writes nothing. `draft` (trtllm
     draft-target only) defaults to speculative.draft_config's engine."""
     values = template_values(cfg, engine_param_path)
-    texts = {model: (model, values) for model in MODELS}
+    if cfg.serving.interface == "llmapi":
+        texts = {ENGINE_MODEL: (f"{LLMAPI_TEMPLATES}/{ENGINE_MODEL}", values)}
+    else:
+        texts = {model: (model, values) for model in MODELS}
     if serves_draft_model(cfg):
         from pipeline.backends.trtllm.triton_params import tensorrt_llm_parameters
 
@@ -211,8 +234,27 @@ def render_configs(
     for model, (template, model_values) in texts.items():
         rendered[model] = render_template(model, _read_template(templates, template), model_values)
         parsed[model] = parse_model_config(model, rendered[model])
-    check_ensemble(parsed)
+    if "ensemble" in parsed:
+        check_ensemble(parsed)
     return rendered
+
+
+def repository_models(cfg: BuildConfig) -> list[str]:
+    """The models `llmpipe package` writes for `cfg`, in order."""
+    if cfg.serving.interface == "llmapi":
+        return [ENGINE_MODEL]
+    return [*MODELS, *([DRAFT_MODEL] if serves_draft_model(cfg) else [])]
+
+
+def _write_llmapi_model(cfg: BuildConfig, templates: Path, version: Path) -> None:
+    """model.py and model.yaml of the llmapi model (its config.pbtxt is written with the others)."""
+    source = templates / LLMAPI_TEMPLATES / ENGINE_MODEL / "1"
+    # a copy: the stub writes __pycache__ beside it
+    shutil.copyfile(source / "model.py", version / "model.py")
+    text = (source / f"{MODEL_YAML}.tmpl").read_text(encoding="utf-8")
+    (version / MODEL_YAML).write_text(
+        render_template(ENGINE_MODEL, text, template_values(cfg)), encoding="utf-8"
+    )
 
 
 def render_model_repository(
@@ -226,11 +268,15 @@ def render_model_repository(
     draft = draft_engine(cfg, require_built=True) if serves_draft_model(cfg) else None
     # TensorRT-LLM's C++ backend opens gpt_model_path as given: point it at the engine stage's folder.
     configs = render_configs(cfg, templates, None if carries_engine else engine_dir, draft)
+    llmapi = cfg.serving.interface == "llmapi"
     out_dir.mkdir(parents=True, exist_ok=True)
     for model, text in configs.items():
         version = out_dir / model / "1"
         version.mkdir(parents=True, exist_ok=True)
         (out_dir / model / "config.pbtxt").write_text(text, encoding="utf-8")
+        if llmapi:
+            _write_llmapi_model(cfg, templates, version)
+            continue
         shim = templates / model / "1" / "model.py"
         if shim.is_file() and (model != "tensorrt_llm" or carries_engine):
             shutil.copyfile(shim, version / "model.py")  # a copy: the stub writes __pycache__ beside it
@@ -241,16 +287,23 @@ def render_model_repository(
             shutil.copyfile(
                 engine_dir / MANIFEST_NAME, out_dir / "tensorrt_llm" / "1" / ENGINE_SUBDIR / MANIFEST_NAME
             )
-    for model in TOKENIZER_MODELS:
+    tokenizer_models = () if llmapi else TOKENIZER_MODELS
+    for model in tokenizer_models:
         link_tree(engine_dir / TOKENIZER_SUBDIR, out_dir / model / "1" / TOKENIZER_SUBDIR)
     facts: dict[str, Any] = {
         "models": list(configs),
+        "interface": cfg.serving.interface,
         "backend": cfg.backend,
         "triton_backend": "python" if carries_engine else "tensorrtllm",
         "decoupled": cfg.serving.decoupled,
-        "triton_max_batch_size": int(template_values(cfg)["triton_max_batch_size"]),
+        # llmapi: upstream's model.yaml value (Triton hands over one request at a time)
+        "triton_max_batch_size": 0 if llmapi else int(template_values(cfg)["triton_max_batch_size"]),
         "engine": f"tensorrt_llm/1/{ENGINE_SUBDIR}" if carries_engine else str(engine_dir),
-        "tokenizer": {m: f"{m}/1/{TOKENIZER_SUBDIR}" for m in TOKENIZER_MODELS},
+        "tokenizer": (
+            {ENGINE_MODEL: f"{ENGINE_MODEL}/1/{ENGINE_SUBDIR}/{TOKENIZER_SUBDIR}"}
+            if llmapi
+            else {m: f"{m}/1/{TOKENIZER_SUBDIR}" for m in tokenizer_models}
+        ),
         "config_sha256": {m: hashlib.sha256(t.encode()).hexdigest() for m, t in configs.items()},
         "tool_packages": ["tritonclient"],
     }

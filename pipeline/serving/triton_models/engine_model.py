@@ -1,5 +1,9 @@
 """The `tensorrt_llm` model for the torch backend: Triton is the router, the engine thread is the server.
 
+EngineModel is what both Triton interfaces share (serving.interface): TorchEngineModel takes
+inflight_batcher_llm's token-id tensors, llmapi_model.LlmApiModel upstream's llmapi text tensors; each only
+parses its requests and builds its responses (a RequestState).
+
 `execute` only validates and enqueues: each request goes to the EngineThread, whose outputs land on one
 responder thread that sends every response (and updates every metric: see metrics.py for why one
 thread). The responder also asks Triton whether clients went away (`response_sender.is_cancelled()`, every
@@ -12,6 +16,7 @@ sender.
 
 from __future__ import annotations
 
+import abc
 import itertools
 import json
 import queue
@@ -21,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from pipeline.config.vocab import SCHEDULER_POLICIES, TRITON_ENGINE_PARAMETERS
@@ -63,8 +69,11 @@ class EngineSettings:
     cancellation_check_period_s: float
 
 
-def engine_settings(params: tu.ModelParameters, base: Path) -> EngineSettings:
-    """The model's config.pbtxt parameters (tensorrtllm_backend's names where they exist), validated."""
+def engine_settings(
+    params: tu.ModelParameters, engine_dir: Path, cancellation_check_period_ms: int
+) -> EngineSettings:
+    """The model's config.pbtxt parameters (tensorrtllm_backend's names where they exist), validated; the
+    engine folder and the cancellation period come from where each interface keeps them."""
     present = params.values
     name = TRITON_ENGINE_PARAMETERS
     if params.integer("max_beam_width", 1) != 1:
@@ -94,12 +103,12 @@ def engine_settings(params: tu.ModelParameters, base: Path) -> EngineSettings:
         ),
     )
     return EngineSettings(
-        engine_dir=params.path("gpt_model_path", base),
+        engine_dir=engine_dir,
         engine_args=engine_args,
         exclude_input_in_output=params.boolean(name["serving.exclude_input_in_output"], False),
         max_pending_requests=params.integer("max_pending_requests", 64, minimum=1),
         stats_period_s=params.integer("stats_check_period_ms", 100, minimum=1) / 1000.0,
-        cancellation_check_period_s=params.integer("cancellation_check_period_ms", 100, minimum=0) / 1000.0,
+        cancellation_check_period_s=cancellation_check_period_ms / 1000.0,
         request_timeout_s=params.real("request_timeout_s", low=0.0)
         if "request_timeout_s" in present
         else None,
@@ -113,27 +122,29 @@ def _load_tokenizer(engine_dir: Path) -> Any | None:
     return load_tokenizer(folder) if folder.is_dir() else None
 
 
-class TorchEngineModel:
-    """TritonPythonModel for `tensorrt_llm` with backend python (pipeline/serving/templates/tensorrt_llm/1/model.py)."""
+class EngineModel(abc.ABC):
+    """The engine behind one Triton model: its thread, the responder, cancellation and `stop`. Subclasses
+    set model_name and decoupled, call `_start`, and say how a request is parsed (`_parse`) and answered
+    (`_new_state`)."""
 
-    def initialize(self, args: dict[str, Any]) -> None:
-        config = json.loads(args["model_config"])
-        self.model_name = args["model_name"]
-        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
-        params = tu.ModelParameters(self.model_name, config)
-        self.settings = engine_settings(params, tu.version_dir(args))
+    model_name: str
+    decoupled: bool
+
+    def _start(self, args: dict[str, Any], settings: EngineSettings, engine_dir_source: str) -> LLMEngine:
+        """Load the engine of `settings` and start serving it (`args` are initialize's); a load failure names
+        `engine_dir_source`, where the engine folder was configured."""
+        self.settings = settings
         try:
-            engine = LLMEngine.from_engine_dir(self.settings.engine_dir, self.settings.engine_args)
+            engine = LLMEngine.from_engine_dir(settings.engine_dir, settings.engine_args)
         except PipelineError as err:
             raise tu.ParameterError(
                 self.model_name,
-                "gpt_model_path",
-                str(self.settings.engine_dir),
+                engine_dir_source,
+                str(settings.engine_dir),
                 f"{err.message}" + (f" ({err.hint})" if err.hint else ""),
             ) from None
-        vocab_size = load_engine_config(self.settings.engine_dir).model.vocab_size
+        vocab_size = load_engine_config(settings.engine_dir).model.vocab_size
         self.limits = RequestLimits(engine.config.max_input_len, engine.config.max_seq_len, vocab_size)
-        self.tokenizer = _load_tokenizer(self.settings.engine_dir) if self.decoupled else None
         self.metrics = EngineMetricsExporter(
             pb_utils,
             self.model_name,
@@ -153,6 +164,23 @@ class TorchEngineModel:
         self.engine = EngineThread(engine, max_pending=self.settings.max_pending_requests)
         self._responder = threading.Thread(target=self._respond_loop, name="llmpipe-responder", daemon=True)
         self._responder.start()
+        return engine
+
+    # --- what an interface defines ---
+
+    @abc.abstractmethod
+    def _parse(self, request: Any) -> list[EngineRequest] | StopRequest:
+        """The request's sequences (one per row), or a `stop`; raises InvalidInputError."""
+
+    @abc.abstractmethod
+    def _new_state(
+        self, engine_id: str, parsed: EngineRequest, sender: Any, group: ResponseGroup, row: int | None
+    ) -> RequestState:
+        """What answers one sequence's engine outputs."""
+
+    @abc.abstractmethod
+    def _stop_acknowledgement(self) -> dict[str, np.ndarray]:
+        """The outputs of the (final, only) response to a `stop` request."""
 
     # --- Triton's thread ---
 
@@ -164,46 +192,27 @@ class TorchEngineModel:
     def _enqueue(self, request: Any) -> None:
         sender = request.get_response_sender()
         try:
-            rows = split_rows(tu.request_inputs(request, ENGINE_INPUTS), decoupled=self.decoupled)
-            parsed = [
-                parse_engine_request(
-                    row,
-                    self.limits,
-                    default_exclude_input=self.settings.exclude_input_in_output,
-                    decoupled=self.decoupled,
-                )
-                for row in rows
-            ]
+            parsed = self._parse(request)
         except InvalidInputError as err:
             _send(sender, tu.error_response(str(err)), final=True)
             return
         triton_id = request.request_id()
-        if any(isinstance(row, StopRequest) for row in parsed):
+        if isinstance(parsed, StopRequest):
             if not triton_id:  # tensorrtllm_backend refuses it too: nothing tells which request to stop
                 message = "names no request: send it with the request id of the request to cancel"
                 _send(sender, tu.error_response(str(InvalidInputError("stop", True, message))), final=True)
                 return
             self._stop(triton_id)
-            _send(sender, tu.make_response(engine_outputs([], None, 0.0)), final=True)
+            _send(sender, tu.make_response(self._stop_acknowledgement()), final=True)
             return
         group = ResponseGroup(len(parsed))
         for index, row in enumerate(parsed):
-            assert isinstance(row, EngineRequest)
-            self._submit(row, sender, triton_id, group, index if len(parsed) > 1 else None)
+            engine_id = f"{triton_id or 'request'}#{next(self._ids)}"
+            state = self._new_state(engine_id, row, sender, group, index if len(parsed) > 1 else None)
+            self._submit(state, triton_id)
 
-    def _submit(
-        self, parsed: EngineRequest, sender: Any, triton_id: str, group: ResponseGroup, row: int | None
-    ) -> None:
-        engine_id = f"{triton_id or 'request'}#{next(self._ids)}"
-        state = RequestState(
-            engine_id,
-            parsed,
-            sender,
-            self.tokenizer,
-            timeout_s=self.settings.request_timeout_s,
-            row=row,
-            group=group,
-        )
+    def _submit(self, state: RequestState, triton_id: str) -> None:
+        engine_id, parsed, sender, group = state.engine_id, state.request, state.sender, state.group
         with self._lock:
             self._states[engine_id] = state
             if triton_id:
@@ -309,6 +318,56 @@ class TorchEngineModel:
         self.engine.shutdown()  # unfinished requests end with "abort" outputs, answered below
         self._outputs.put(_SHUTDOWN)
         self._responder.join(timeout=10)
+
+
+class TorchEngineModel(EngineModel):
+    """TritonPythonModel for `tensorrt_llm` with backend python (pipeline/serving/templates/tensorrt_llm/1/model.py):
+    inflight_batcher_llm's token-id tensors."""
+
+    def initialize(self, args: dict[str, Any]) -> None:
+        config = json.loads(args["model_config"])
+        self.model_name = args["model_name"]
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
+        params = tu.ModelParameters(self.model_name, config)
+        settings = engine_settings(
+            params,
+            params.path("gpt_model_path", tu.version_dir(args)),
+            params.integer("cancellation_check_period_ms", 100, minimum=0),
+        )
+        # Streamed chunks end on character boundaries (RequestState): that needs the tokenizer.
+        self.tokenizer = _load_tokenizer(settings.engine_dir) if self.decoupled else None
+        self._start(args, settings, "gpt_model_path")
+
+    def _parse(self, request: Any) -> list[EngineRequest] | StopRequest:
+        rows = split_rows(tu.request_inputs(request, ENGINE_INPUTS), decoupled=self.decoupled)
+        parsed = [
+            parse_engine_request(
+                row,
+                self.limits,
+                default_exclude_input=self.settings.exclude_input_in_output,
+                decoupled=self.decoupled,
+            )
+            for row in rows
+        ]
+        if any(isinstance(row, StopRequest) for row in parsed):
+            return StopRequest()
+        return [row for row in parsed if isinstance(row, EngineRequest)]
+
+    def _new_state(
+        self, engine_id: str, parsed: EngineRequest, sender: Any, group: ResponseGroup, row: int | None
+    ) -> RequestState:
+        return RequestState(
+            engine_id,
+            parsed,
+            sender,
+            self.tokenizer,
+            timeout_s=self.settings.request_timeout_s,
+            row=row,
+            group=group,
+        )
+
+    def _stop_acknowledgement(self) -> dict[str, np.ndarray]:
+        return engine_outputs([], None, 0.0)
 
 
 def _send(sender: Any, response: Any, final: bool) -> None:

@@ -110,17 +110,18 @@ class RequestState:
         elif self.request.streaming:
             reply = self._stream_reply(output)
         elif output.finished:
-            reply = Reply(self._full_outputs(), final=True)
+            reply = Reply(self._full_outputs(output), final=True)
         else:
             reply = Reply(None, final=False)
         if reply.final and reply.outputs is not None and self.request.return_perf_metrics:
-            reply.outputs.update(self._speculative_outputs(output))
+            reply.outputs.update(self._perf_outputs(output))
         if reply.outputs is not None and self.row is not None:
             reply.outputs.update(batch_index(self.row))
         self._latency(reply, len(output.new_token_ids), now)
         return reply
 
-    def _speculative_outputs(self, output: RequestOutput) -> dict[str, np.ndarray]:
+    def _perf_outputs(self, output: RequestOutput) -> dict[str, np.ndarray]:
+        """What return_perf_metrics adds to the final response."""
         if output.stats is None:
             return speculative_outputs(0, 0)
         return speculative_outputs(output.stats.num_draft_tokens, output.stats.num_accepted_draft_tokens)
@@ -138,7 +139,7 @@ class RequestState:
         self.num_sent = ready
         return Reply(engine_outputs(chunk, chunk_logprobs, self.cum_sent_logprob), final=output.finished)
 
-    def _full_outputs(self) -> dict[str, np.ndarray]:
+    def _full_outputs(self, output: RequestOutput) -> dict[str, np.ndarray]:
         tokens = (
             self.token_ids
             if self.request.exclude_input_in_output
