@@ -13,7 +13,9 @@ NVIDIA/TensorRT-LLM:triton_backend/scripts/launch_triton_server.py@0b06796 and @
   (comma list, default `tensorrt_llm`), then (multi-model only, below) the memory-pool flags, then the three
   port flags again (`add_port_config` is called twice), then `--disable-auto-complete-config
   --backend-config=python,shm-region-prefix-name=prefix{i}_` and `:` (after every rank, the last too).
-- Leader mode (the default): one tritonserver per GPU rank; only rank 0 loads the whole repository.
+- Leader mode (the default): one tritonserver per GPU rank; only rank 0 loads the whole repository. The other
+  ranks are given the same ports but never open them: they do not return from the tensorrt_llm model's
+  initialization (tensorrtllm_backend:README.md@v0.18.0, "Leader Mode").
 - `--multi-model` (orchestrator mode): the environment gets `TRTLLM_ORCHESTRATOR=1` and
   `TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES=1`, `--world_size` must be 1 (the tensorrt_llm models spawn their
   own MPI workers), and, when `NVIDIA_TRITON_SERVER_VERSION` > 24.06, rank 0 gets
