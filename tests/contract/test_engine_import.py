@@ -106,6 +106,10 @@ def test_a_second_run_reuses_the_import_and_a_rebuilt_engine_is_imported_again(
         ({"quantization": {"mode": "int4_awq"}}, {},
          ["quantization.mode=int4_awq but the engine has quantization.quant_algo=None"]),
         ({}, {"max_draft_len": 4}, ["max_draft_len=0 but the engine has build_config.max_draft_len=4"]),
+        # A speculative engine's max_seq_len carries the draft tokens on top of the config's.
+        ({"speculative": {"mode": "draft_model", "draft_config": "d.yaml"}, "kv_cache": {"enable_block_reuse": True}},
+         {"max_draft_len": 4},
+         ["engine.max_seq_len + max_draft_len (1024 + 4)=1028 but the engine has build_config.max_seq_len=1024"]),
         ({"dtype": "bfloat16"}, {}, ["dtype=bfloat16 but the engine has pretrained_config.dtype=float16"]),
     ],
 )  # fmt: skip

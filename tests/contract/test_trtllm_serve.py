@@ -72,6 +72,7 @@ def trtllm_cfg(**sections: Any) -> BuildConfig:
 
 
 DRAFT_TARGET = {"mode": "draft_model", "draft_config": "draft.yaml"}
+REUSE = {"enable_block_reuse": True}  # the target's executor requires KV block reuse for draft-target
 
 
 @pytest.mark.parametrize(
@@ -82,10 +83,10 @@ DRAFT_TARGET = {"mode": "draft_model", "draft_config": "draft.yaml"}
          ["mpirun", "--allow-run-as-root", "-n", "1", *rank0(), ":", "-n", "1", *rank1(), ":"], {}),
         ({"parallel": {"pp_size": 2}}, 2,
          ["mpirun", "--allow-run-as-root", "-n", "1", *rank0(), ":", "-n", "1", *rank1(), ":"], {}),
-        ({"parallel": {"tp_size": 2}, "speculative": DRAFT_TARGET}, 2,
+        ({"parallel": {"tp_size": 2}, "speculative": DRAFT_TARGET, "kv_cache": REUSE}, 2,
          ["mpirun", "--allow-run-as-root", "-n", "1", *orchestrator(2), ":"], ORCHESTRATOR),
         # One GPU: leader mode runs both models in its one rank.
-        ({"speculative": DRAFT_TARGET}, 1, ["mpirun", "--allow-run-as-root", "-n", "1", *rank0(), ":"], {}),
+        ({"speculative": DRAFT_TARGET, "kv_cache": REUSE}, 1, ["mpirun", "--allow-run-as-root", "-n", "1", *rank0(), ":"], {}),
     ],
     ids=["tp1", "tp2", "pp2", "draft-target-tp2", "draft-target-tp1"],
 )  # fmt: skip
@@ -99,7 +100,7 @@ def test_the_launch_is_upstreams_command_and_environment(
 
 
 def test_orchestrator_memory_pools_follow_the_gpu_count_and_triton_version() -> None:
-    cfg = trtllm_cfg(parallel={"tp_size": 2}, speculative=DRAFT_TARGET)
+    cfg = trtllm_cfg(parallel={"tp_size": 2}, speculative=DRAFT_TARGET, kv_cache=REUSE)
     opts = ServerOptions(Path(REPO))
     eight = launch_for(cfg, 8, "25.12")
     assert [a for a in trtllm_command(eight, opts, Path(BIN), "p") if a.startswith("--cuda-memory-pool")] == [
@@ -143,10 +144,14 @@ def runtime(monkeypatch: pytest.MonkeyPatch, trtllm: str | None, gpus: list[env.
 
 def byo(workdir: Path, hf_dir: Path, name: str, tp: int = 1, **sections: Any) -> Path:
     """`llmpipe package` of a tp-rank trtllm-build output (engine_config's limits); the config path."""
-    max_draft_len = 4 if sections.get("speculative", {}).get("mode") == "draft_model" else 0
-    parallel = {"parallel": {"tp_size": tp}}
-    config = write_build_config(workdir / f"{name}.yaml", hf_dir, **parallel, **sections)
-    built = write_engine_dir(workdir / f"{name}-engine", engine_config(tp=tp, max_draft_len=max_draft_len))
+    config = write_build_config(workdir / f"{name}.yaml", hf_dir, parallel={"tp_size": tp}, **sections)
+    recorded = engine_config(tp=tp)
+    if sections.get("speculative", {}).get("mode") == "draft_model":  # the default max_draft_len, 4
+        # trtllm-build records max_seq_len + max_draft_len for a speculative engine
+        recorded["build_config"].update(
+            max_draft_len=4, max_seq_len=recorded["build_config"]["max_seq_len"] + 4
+        )
+    built = write_engine_dir(workdir / f"{name}-engine", recorded)
     result = CliRunner().invoke(
         package, [str(config), "--engine-dir", str(built), "--compute-capability", "9.0"]
     )

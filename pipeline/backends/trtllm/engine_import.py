@@ -20,6 +20,12 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from pipeline.backends.trtllm import env
+from pipeline.backends.trtllm.build_cmd import (
+    engine_draft_len,
+    engine_max_num_tokens,
+    engine_max_seq_len,
+    paged_context_fmha,
+)
 from pipeline.backends.trtllm.versions import PINNED, PINNED_CONTAINER, RELEASES, release_for_runtime
 from pipeline.config.build_config import BuildConfig
 from pipeline.errors import ConfigError, MissingArtifactError, PipelineError, UnsupportedModelError
@@ -162,28 +168,31 @@ class _Pair(NamedTuple):
 
 
 def _pairs(cfg: BuildConfig, engine: EngineFolder) -> list[_Pair]:
+    """What the engine must record for `cfg`, computed as for llmpipe's own trtllm-build command (a
+    speculative build raises max_seq_len and max_num_tokens; some KV formats turn paged context FMHA off)."""
     build, plugin, pretrained = engine.build, engine.build["plugin_config"], engine.pretrained
-    quant, q = pretrained.get("quantization") or {}, cfg.quantization
+    quant, q, e = pretrained.get("quantization") or {}, cfg.quantization, cfg.engine
+    drafts = engine_draft_len(cfg)
+    with_drafts = f" + max_draft_len ({{}} + {drafts})" if drafts else ""
     pairs = [
-        _Pair(
-            "parallel.tp_size", cfg.parallel.tp_size, "mapping.tp_size", engine.tp_size, cfg.parallel.tp_size
-        ),
-        _Pair(
-            "parallel.pp_size", cfg.parallel.pp_size, "mapping.pp_size", engine.pp_size, cfg.parallel.pp_size
-        ),
-    ]
-    for name in ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens", "max_beam_width"):
-        mine = getattr(cfg.engine, name)
-        pairs.append(_Pair(f"engine.{name}", mine, f"build_config.{name}", build.get(name, 1), mine))
-    draft_len = 0 if cfg.speculative.mode in ("none", "ngram") else cfg.speculative.max_draft_len
-    paged_fmha = cfg.kv_cache.use_paged_context_fmha
-    pairs += [
+        _Pair("parallel.tp_size", cfg.parallel.tp_size, "mapping.tp_size", engine.tp_size, cfg.parallel.tp_size),
+        _Pair("parallel.pp_size", cfg.parallel.pp_size, "mapping.pp_size", engine.pp_size, cfg.parallel.pp_size),
+        _Pair("engine.max_batch_size", e.max_batch_size, "build_config.max_batch_size", build["max_batch_size"],
+              e.max_batch_size),
+        _Pair("engine.max_input_len", e.max_input_len, "build_config.max_input_len", build["max_input_len"],
+              e.max_input_len),
+        _Pair("engine.max_seq_len" + with_drafts.format(e.max_seq_len), engine_max_seq_len(cfg),
+              "build_config.max_seq_len", build["max_seq_len"], engine_max_seq_len(cfg)),
+        _Pair("engine.max_num_tokens", engine_max_num_tokens(cfg), "build_config.max_num_tokens",
+              build["max_num_tokens"], engine_max_num_tokens(cfg)),
+        _Pair("engine.max_beam_width", e.max_beam_width, "build_config.max_beam_width",
+              build.get("max_beam_width", 1), e.max_beam_width),
         _Pair("kv_cache.tokens_per_block", cfg.kv_cache.tokens_per_block, "plugin_config.tokens_per_block",
               plugin.get("tokens_per_block"), cfg.kv_cache.tokens_per_block),
-        _Pair("kv_cache.use_paged_context_fmha", paged_fmha, "plugin_config.use_paged_context_fmha",
-              bool(plugin.get("use_paged_context_fmha")), paged_fmha),
-        _Pair(f"speculative.mode={cfg.speculative.mode} max_draft_len", draft_len, "build_config.max_draft_len",
-              int(build.get("max_draft_len") or 0), draft_len),
+        _Pair("kv_cache.use_paged_context_fmha", paged_context_fmha(cfg), "plugin_config.use_paged_context_fmha",
+              bool(plugin.get("use_paged_context_fmha")), paged_context_fmha(cfg)),
+        _Pair(f"speculative.mode={cfg.speculative.mode} max_draft_len", drafts, "build_config.max_draft_len",
+              int(build.get("max_draft_len") or 0), drafts),
         _Pair("quantization.mode", q.mode, "quantization.quant_algo", quant.get("quant_algo"), q.quant_algo),
         _Pair("quantization.kv_cache_dtype", q.kv_cache_dtype, "quantization.kv_cache_quant_algo",
               quant.get("kv_cache_quant_algo"), q.kv_cache_quant_algo),
