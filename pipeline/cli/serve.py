@@ -120,6 +120,17 @@ def _launch_for(cfg: BuildConfig) -> TrtllmLaunch:
     return launch_for(cfg, len(found) if found else None, os.environ.get("NVIDIA_TRITON_SERVER_VERSION"))
 
 
+def _preflight(build: _TrtllmBuild) -> None:
+    """Each engine the repository serves (a draft-target build's draft too) against this machine's runtime
+    and GPUs, and its config's features against its build flags, before any process starts."""
+    from pipeline.backends.trtllm.guards import preflight_serve
+    from pipeline.config.workdir import draft_engine_dir
+
+    preflight_serve(build.cfg, build.engine_dir)
+    if build.cfg.speculative.mode == "draft_model":
+        preflight_serve(*draft_engine_dir(build.cfg))
+
+
 @click.command("serve", context_settings=CONTEXT)
 @click.argument("target", required=False, default=DEFAULT_CONFIG, metavar="[CONFIG|MODEL_REPO]")
 @overrides_option("serving.http_port=9000")
@@ -211,11 +222,7 @@ def serve(
         _print_plan(server)
         return
     if trtllm_build is not None:
-        from pipeline.backends.trtllm.guards import preflight_serve
-
-        # The engine against this machine's runtime and GPUs, and the config's features against its
-        # build flags, before any process starts.
-        preflight_serve(trtllm_build.cfg, trtllm_build.engine_dir)
+        _preflight(trtllm_build)
     click.echo(f"starting tritonserver on {options.model_repository} ...", err=True)
     started = time.monotonic()
     with server:

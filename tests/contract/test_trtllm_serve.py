@@ -223,7 +223,19 @@ def test_draft_target_with_tensor_parallelism_starts_one_orchestrator(
         ":",
     ]
 
+    # The draft engine is checked too: one built by another release stops serve before anything starts.
+    runtime(monkeypatch, "1.0.0", [H100, H100])
+    write_engine_dir(in_tmp_workdir / "draft-engine", engine_config(tp=2, version="1.0.0"))
+    CliRunner().invoke(package, [str(in_tmp_workdir / "draft.yaml"), "--engine-dir",
+                                 str(in_tmp_workdir / "draft-engine"), "--compute-capability", "9.0"])  # fmt: skip
     runtime(monkeypatch, "1.1.0", [H100, H100])
+    refused = served(config)
+    assert isinstance(refused.exception, ServingError) and "TensorRT-LLM 1.0.0, runtime has 1.1.0" in str(
+        refused.exception
+    )
+    assert not (nvidia_host / "argv").exists()
+
+    byo(in_tmp_workdir, tiny_llama_dir, "draft", tp=2)
     result = served(config)
     assert isinstance(result.exception, ServingError) and "exited with code 3" in result.exception.message
     argv = (nvidia_host / "argv").read_text().splitlines()
