@@ -10,7 +10,7 @@ from pipeline.stages.chain import PIPELINE, run_chain, stages_until
 from pipeline.stages.runner import StageSpec, stage_dir
 
 
-def _run_stages(cfg: BuildConfig, specs: tuple[StageSpec, ...], force: bool, dry_run: bool) -> None:
+def run_stages(cfg: BuildConfig, specs: tuple[StageSpec, ...], force: bool, dry_run: bool) -> None:
     if dry_run:
         click.echo(f"plan for {cfg.name} ({cfg.backend} backend):")
         for index, spec in enumerate(specs, 1):
@@ -22,7 +22,8 @@ def _run_stages(cfg: BuildConfig, specs: tuple[StageSpec, ...], force: bool, dry
 
 def _describe(cfg: BuildConfig, spec: StageSpec) -> list[str]:
     lines = spec.describe(cfg, stage_dir(cfg, spec))
-    if cfg.backend == "trtllm" and spec.name in ("convert", "quantize", "engine"):
+    # The trtllm plan shows the calls a build makes (not an imported engine's stage, which builds nothing).
+    if cfg.backend == "trtllm" and spec in PIPELINE and spec.name in ("convert", "quantize", "engine"):
         from pipeline.backends import backend_step
 
         plan = backend_step("trtllm", "plan")
@@ -48,13 +49,13 @@ def build(config: str, overrides: tuple[str, ...], force: bool, dry_run: bool, u
         from pipeline.backends.trtllm.env import require_trtllm
 
         require_trtllm()  # stop before a long Hub download on a host that cannot build anyway
-    _run_stages(cfg, stages_until(until), force, dry_run)
+    run_stages(cfg, stages_until(until), force, dry_run)
 
 
 def _stage_command(spec: StageSpec) -> click.Command:
     def command(config: str, overrides: tuple[str, ...], force: bool, dry_run: bool) -> None:
         cfg = load_build_config(config, overrides)
-        _run_stages(cfg, (spec,), force, dry_run)
+        run_stages(cfg, (spec,), force, dry_run)
 
     command.__doc__ = (
         f"{spec.summary}\n\n    Reads the outputs of: {', '.join(spec.inputs) or 'nothing (first stage)'}; "
@@ -64,4 +65,12 @@ def _stage_command(spec: StageSpec) -> click.Command:
     return click.command(spec.name, context_settings=CONTEXT)(config_options(command))
 
 
-STAGE_COMMANDS: tuple[click.Command, ...] = tuple(_stage_command(spec) for spec in PIPELINE)
+def _command_for(spec: StageSpec) -> click.Command:
+    if spec.name == "package":  # its own module: it also packages an engine built elsewhere
+        from pipeline.cli.package import package
+
+        return package
+    return _stage_command(spec)
+
+
+STAGE_COMMANDS: tuple[click.Command, ...] = tuple(_command_for(spec) for spec in PIPELINE)

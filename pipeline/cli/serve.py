@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import shlex
+import shutil
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -13,17 +16,30 @@ from pipeline.cli.options import CONTEXT, overrides_option
 from pipeline.errors import BackendUnavailableError, MissingArtifactError, ServingError
 from pipeline.serving.server.command import ServerOptions, find_tritonserver, server_command
 from pipeline.serving.server.launcher import TritonServer, failure_lines
+from pipeline.serving.server.trtllm_launch import CONTAINER_TRITONSERVER, TrtllmLaunch, launch_for
+
+if TYPE_CHECKING:
+    from pipeline.artifacts import Manifest
+    from pipeline.config.build_config import BuildConfig
 
 DEFAULT_CONFIG = "build_configs/smollm2-135m.yaml"
 
 
+@dataclass(frozen=True)
+class _TrtllmBuild:
+    """What serving a TensorRT-LLM repository needs besides the folder: its build config and engine."""
+
+    cfg: BuildConfig
+    engine_dir: Path
+
+
+def _serves_tensorrt_llm(repo: Path) -> bool:
+    engine_config = repo / "tensorrt_llm" / "config.pbtxt"
+    return engine_config.is_file() and 'backend: "tensorrtllm"' in engine_config.read_text(encoding="utf-8")
+
+
 def _check_backend_available(repo: Path) -> None:
     """A TensorRT-LLM repository needs NVIDIA's trtllm container; say so before tritonserver fails."""
-    engine_config = repo / "tensorrt_llm" / "config.pbtxt"
-    if not engine_config.is_file() or 'backend: "tensorrtllm"' not in engine_config.read_text(
-        encoding="utf-8"
-    ):
-        return
     if find_tritonserver().bundled:
         raise BackendUnavailableError(
             f"{repo} serves a TensorRT-LLM engine (backend tensorrtllm), which the tritonserver bundled in "
@@ -33,38 +49,86 @@ def _check_backend_available(repo: Path) -> None:
         )
 
 
-def _options_for(target: str, overrides: tuple[str, ...]) -> ServerOptions:
-    """ServerOptions from a build config (its packaged repository and serving ports) or a repository folder."""
-    path = Path(target)
-    if path.is_dir():
-        if not any(path.glob("*/config.pbtxt")):
-            raise MissingArtifactError(
-                f"{path} is not a Triton model repository (no */config.pbtxt)",
-                hint="Pass a build config, or the model_repo folder `llmpipe package` wrote.",
-            )
-        return ServerOptions(model_repository=path.resolve())
-    from pipeline.artifacts import require_manifest
+def _trtllm_build(cfg: BuildConfig, manifest: Manifest | None) -> _TrtllmBuild:
+    from pipeline.config.workdir import stage_output_dir
+
+    # The engine the repository's gpt_model_path names (the package stage records it).
+    recorded = manifest.facts.get("engine") if manifest is not None else None
+    engine = recorded or stage_output_dir(cfg, "engine").resolve()
+    return _TrtllmBuild(cfg, Path(engine))
+
+
+def _from_repository(path: Path, starting: bool) -> tuple[ServerOptions, _TrtllmBuild | None]:
+    if not any(path.glob("*/config.pbtxt")):
+        raise MissingArtifactError(
+            f"{path} is not a Triton model repository (no */config.pbtxt)",
+            hint="Pass a build config, or the model_repo folder `llmpipe package` wrote.",
+        )
+    options = ServerOptions(model_repository=path.resolve())
+    if not _serves_tensorrt_llm(path):
+        return options, None
+    if starting:
+        _check_backend_available(path)
+    from pipeline.artifacts import MANIFEST_NAME, read_manifest
+    from pipeline.config.build_config import build_config_from_dict
+
+    manifest = read_manifest(path)
+    recorded = manifest.facts.get("build_config") if manifest is not None else None
+    if manifest is None or not recorded:
+        raise ServingError(
+            f"{path} serves a TensorRT-LLM engine but records no build config, so the engine cannot be "
+            "checked against the runtime before Triton loads it",
+            hint="Serve it by its build config: `llmpipe serve CONFIG`.",
+        )
+    cfg = build_config_from_dict(recorded, origin=f"{path / MANIFEST_NAME} build_config")
+    return options, _trtllm_build(cfg, manifest)
+
+
+def _from_config(
+    target: str, overrides: tuple[str, ...], starting: bool
+) -> tuple[ServerOptions, _TrtllmBuild | None]:
+    from pipeline.artifacts import read_manifest
     from pipeline.config.build_config import load_build_config
     from pipeline.config.workdir import stage_output_dir
 
     cfg = load_build_config(target, overrides)
     repo = stage_output_dir(cfg, "package")
-    try:
-        require_manifest(repo, "package")
-    except MissingArtifactError as err:
-        raise MissingArtifactError(
-            f"{cfg.name} has no packaged model repository at {repo}",
-            hint=f"Build it first: `llmpipe build {target}`.",
-        ) from err
+    manifest = read_manifest(repo)
+    if manifest is None:
+        problem = f"{cfg.name} has no packaged model repository at {repo}"
+        hint = f"Build it first: `llmpipe build {target}`."
+        if starting:
+            raise MissingArtifactError(problem, hint=hint)
+        click.echo(f"note: {problem} yet. {hint}", err=True)  # a dry run still shows the command
+    if cfg.backend == "trtllm" and starting:
+        _check_backend_available(repo)
     s = cfg.serving
-    return ServerOptions(
+    options = ServerOptions(
         model_repository=repo.resolve(),
         host=s.host,
         http_port=s.http_port,
         grpc_port=s.grpc_port,
         metrics_port=s.metrics_port,
-        world_size=cfg.parallel.world_size if cfg.backend == "trtllm" else 1,
     )
+    return options, _trtllm_build(cfg, manifest) if cfg.backend == "trtllm" else None
+
+
+def _launch_for(cfg: BuildConfig) -> TrtllmLaunch:
+    from pipeline.backends.trtllm import env
+
+    found = env.gpus().value
+    return launch_for(cfg, len(found) if found else None, os.environ.get("NVIDIA_TRITON_SERVER_VERSION"))
+
+
+def _preflight(build: _TrtllmBuild) -> None:
+    """Each engine the repository serves (a draft-target build's draft too) against this machine's runtime
+    and GPUs, and its config's features against its build flags, before any process starts."""
+    from pipeline.backends.trtllm.guards import preflight_serve
+    from pipeline.config.workdir import draft_engine_dir
+
+    preflight_serve(build.cfg, build.engine_dir)
+    if build.cfg.speculative.mode == "draft_model":
+        preflight_serve(*draft_engine_dir(build.cfg))
 
 
 @click.command("serve", context_settings=CONTEXT)
@@ -95,7 +159,12 @@ def _options_for(target: str, overrides: tuple[str, ...]) -> ServerOptions:
     help="tritonserver --log-verbose level.",
 )
 @click.option("--verbose", "-v", is_flag=True, help="Print tritonserver's log while it runs.")
-@click.option("--dry-run", is_flag=True, help="Print the tritonserver command line and exit.")
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Print the command that would start the server (mpirun and its environment for TensorRT-LLM) "
+    "and exit; starts and checks nothing.",
+)
 def serve(
     target: str,
     overrides: tuple[str, ...],
@@ -111,23 +180,34 @@ def serve(
     """Serve a packaged model repository with NVIDIA Triton until Ctrl-C.
 
     CONFIG serves build/<name>/model_repo with the config's serving.* ports; MODEL_REPO serves that
-    folder (ports 8000/8001/8002 unless given). Uses the tritonserver on PATH, else the one bundled in nvidia-pytriton. Binds
-    127.0.0.1 unless --host says otherwise; a model that fails to load stops the server with its log lines,
-    and so does a model's Python stub that dies while serving (exit 1: Triton itself would go on
-    reporting ready).
+    folder (ports 8000/8001/8002 unless given). Uses the tritonserver on PATH, else the one bundled in
+    nvidia-pytriton. Binds 127.0.0.1 unless --host says otherwise; a model that fails to load stops the
+    server with its log lines, and so does a model's Python stub that dies while serving (exit 1: Triton
+    itself would go on reporting ready).
+
+    A TensorRT-LLM (trtllm) repository is started as tensorrtllm_backend's launch_triton_server.py starts
+    it: under mpirun, one tritonserver per GPU rank (tp*pp), or one orchestrator process for a draft-target
+    build with tp*pp > 1. Before anything starts, the engine is checked against this machine: the
+    TensorRT-LLM / TensorRT versions that built it, the GPU architecture, and the build flags the config's
+    runtime features need.
 
     \b
     Examples:
       llmpipe serve build_configs/smollm2-135m.yaml
       llmpipe serve build/tiny-llama/model_repo --http-port 9000 --grpc-port 9001 --metrics-port 9002
       llmpipe serve build_configs/smollm2-135m.yaml --dry-run
+      llmpipe serve build_configs/llama3-8b-int4-awq-tp2.yaml --dry-run   # the mpirun command
     \b
     Then, from another terminal:
       llmpipe generate "Write a haiku about GPUs" --stream
       curl -X POST localhost:8000/v2/models/ensemble/generate -d '{"text_input": "Hi", "max_tokens": 32}'
     """
-    options = _options_for(target, overrides)
-    _check_backend_available(options.model_repository)
+    path = Path(target)
+    starting = not dry_run  # a dry run prints the command on any machine: no server or runtime checks
+    if path.is_dir():
+        options, trtllm_build = _from_repository(path, starting)
+    else:
+        options, trtllm_build = _from_config(target, overrides, starting)
     options = replace(
         options,
         log_verbose=log_verbose,
@@ -135,11 +215,14 @@ def serve(
         http_port=options.http_port if http_port is None else http_port,
         grpc_port=options.grpc_port if grpc_port is None else grpc_port,
         metrics_port=options.metrics_port if metrics_port is None else metrics_port,
+        trtllm=None if trtllm_build is None else _launch_for(trtllm_build.cfg),
     )
     server = TritonServer(options, ready_timeout_s=ready_timeout, echo_log=verbose)
     if dry_run:
         _print_plan(server)
         return
+    if trtllm_build is not None:
+        _preflight(trtllm_build)
     click.echo(f"starting tritonserver on {options.model_repository} ...", err=True)
     started = time.monotonic()
     with server:
@@ -162,10 +245,19 @@ def serve(
 
 
 def _print_plan(server: TritonServer) -> None:
-    install = find_tritonserver()
-    backends = Path("<run dir>/backends") if install.bundled else None
-    command = server_command(install.binary, server.options, backends, server.shm_prefix)
-    click.echo(" ".join(shlex.quote(part) for part in command))
+    """The command (with the variables it adds to the environment) that would start the server. A
+    TensorRT-LLM launch shows NVIDIA's tritonserver (the one on PATH, else the container's path) and is not
+    checked against the engine: that needs the runtime, which serving checks first."""
+    options = server.options
+    if options.trtllm is not None:
+        binary = Path(shutil.which("tritonserver") or CONTAINER_TRITONSERVER)
+        command = server_command(binary, options, None, server.shm_prefix)
+        env = [f"{key}={value}" for key, value in options.trtllm.env.items()]
+    else:
+        install = find_tritonserver()
+        backends = Path("<run dir>/backends") if install.bundled else None
+        command, env = server_command(install.binary, options, backends, server.shm_prefix), []
+    click.echo(" ".join(shlex.quote(part) for part in [*env, *command]))
 
 
 def _ready_banner(server: TritonServer, seconds: float) -> str:

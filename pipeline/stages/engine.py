@@ -32,3 +32,31 @@ SPEC = StageSpec(
     describe=describe,
     summary="Build the engine (trtllm-build, or the torch engine directory).",
 )
+
+
+def import_spec(engine_dir: Path, compute_capability: str | None = None) -> StageSpec:
+    """The engine stage for an engine built elsewhere (`llmpipe package CONFIG --engine-dir DIR`): the
+    trtllm-build output in `engine_dir`, checked against the config, with the fetched checkpoint's tokenizer.
+    Its files' digests key reuse, so a rebuilt engine is imported again."""
+    from pipeline.backends.trtllm.engine_import import engine_data_files, import_engine
+
+    def produce_import(cfg: BuildConfig, inputs: dict[str, StageInput], out: Path) -> dict[str, Any]:
+        from pipeline.stages.fetch import checkpoint_dir
+
+        return import_engine(cfg, engine_dir, checkpoint_dir(inputs["fetch"]), out, compute_capability)
+
+    def describe_import(cfg: BuildConfig, out: Path) -> list[str]:
+        return [
+            f"import the trtllm-build output {engine_dir} (config.json checked against the config's parallel, "
+            f"engine, kv_cache, quantization and speculative sections) with the checkpoint's tokenizer -> {out}"
+        ]
+
+    return StageSpec(
+        name="engine",
+        config_sections=(*SPEC.config_sections, "quantization"),
+        inputs=("fetch",),
+        produce=produce_import,
+        describe=describe_import,
+        summary=f"Import the engine trtllm-build wrote into {engine_dir}.",
+        data_files=lambda cfg: engine_data_files(engine_dir),
+    )

@@ -12,7 +12,11 @@ from pipeline.stages.runner import StageInput, StageSpec
 def produce(cfg: BuildConfig, inputs: dict[str, StageInput], out: Path) -> dict[str, Any]:
     from pipeline.serving.repository.render import render_model_repository
 
-    return dict(render_model_repository(cfg, inputs["engine"].dir, out))
+    facts = dict(render_model_repository(cfg, inputs["engine"].dir, out))
+    # `llmpipe serve MODEL_REPO` rebuilds the config from here: a TensorRT-LLM engine is checked against
+    # it (and the launch sized by its tp/pp) before Triton starts.
+    facts["build_config"] = cfg.model_dump(mode="json")
+    return facts
 
 
 def describe(cfg: BuildConfig, out: Path) -> list[str]:

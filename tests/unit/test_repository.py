@@ -13,7 +13,7 @@ from pipeline.errors import ConfigError, MissingArtifactError
 from pipeline.serving import client
 from pipeline.serving.repository.pbtxt import parse_model_config
 from pipeline.serving.repository.render import MODELS, render_model_repository, templates_dir
-from pipeline.serving.server.command import ServerOptions, TritonInstall, mpi_command, server_args, server_env
+from pipeline.serving.server.command import ServerOptions, TritonInstall, server_args, server_env
 from pipeline.serving.server.launcher import failure_lines, with_free_ports
 from pipeline.serving.triton_models import io
 from tests.serving_helpers import tiny_config
@@ -192,19 +192,6 @@ def test_server_args_bind_loopback_and_apply_the_cpu_recipe() -> None:
         "--exit-timeout-secs=5",
     ):
         assert flag in args
-
-
-def test_mpi_command_runs_one_rank_per_gpu_and_only_rank_zero_serves() -> None:
-    opts = ServerOptions(Path("/repo"), world_size=2, http_port=8000, grpc_port=8001, metrics_port=8002)
-    command = mpi_command(Path("/opt/tritonserver/bin/tritonserver"), opts, None, "pfx")
-    assert command[:2] == ["mpirun", "--allow-run-as-root"] and command.count(":") == 1
-    rank0, rank1 = " ".join(command).split(" : ")
-    assert rank0.startswith("mpirun --allow-run-as-root -n 1 /opt/tritonserver/bin/tritonserver")
-    assert "shm-region-prefix-name=pfx0_" in rank0 and "--http-port=8000" in rank0
-    assert "shm-region-prefix-name=pfx1_" in rank1 and "--http-port" not in rank1
-    assert "--allow-http=false" in rank1 and "--load-model=tensorrt_llm" in rank1
-    assert "--model-control-mode=explicit" in rank1
-    assert all("--disable-auto-complete-config" in rank for rank in (rank0, rank1))
 
 
 def test_server_env_puts_bundled_libs_and_this_python_first() -> None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.errors import ServingError
+from pipeline.serving.server.trtllm_launch import TrtllmLaunch, trtllm_command
 from pipeline.util.openmp import default_wait_policy
 from pipeline.util.package_data import IMPORT_ROOT
 
@@ -51,9 +52,9 @@ class ServerOptions:
     metrics_port: int = 8002
     exit_timeout_s: int = 5
     log_verbose: int = 0
-    # tp*pp of a trtllm engine: one tritonserver rank per GPU under mpirun, rank 0 serving clients.
-    world_size: int = 1
-    tensorrt_llm_model_names: tuple[str, ...] = ("tensorrt_llm",)
+    # A TensorRT-LLM repository: started the way tensorrtllm_backend's launcher starts it (under mpirun,
+    # trtllm_launch.py); None: one plain tritonserver.
+    trtllm: TrtllmLaunch | None = None
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -102,9 +103,13 @@ def prepare_backend_dir(install: TritonInstall, run_dir: Path) -> Path | None:
     return python_dir.parent
 
 
-def server_env(install: TritonInstall, base: dict[str, str] | None = None) -> dict[str, str]:
+def server_env(
+    install: TritonInstall, base: dict[str, str] | None = None, trtllm: TrtllmLaunch | None = None
+) -> dict[str, str]:
     """The environment for tritonserver and the Python stubs it starts."""
     env = dict(os.environ if base is None else base)
+    if trtllm is not None:
+        env.update(trtllm.env)
     # The stub must import this very `pipeline` package, installed or not.
     package_root = str(IMPORT_ROOT)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
@@ -121,19 +126,8 @@ def server_env(install: TritonInstall, base: dict[str, str] | None = None) -> di
     return env
 
 
-def _serving_args(opts: ServerOptions) -> list[str]:
-    return [
-        f"--http-address={opts.host}",
-        f"--http-port={opts.http_port}",
-        f"--grpc-address={opts.host}",
-        f"--grpc-port={opts.grpc_port}",
-        f"--metrics-address={opts.host}",
-        f"--metrics-port={opts.metrics_port}",
-    ]
-
-
-def server_args(opts: ServerOptions, backend_dir: Path | None, shm_prefix: str, rank: int = 0) -> list[str]:
-    """tritonserver's arguments (without the binary) for one rank."""
+def server_args(opts: ServerOptions, backend_dir: Path | None, shm_prefix: str) -> list[str]:
+    """tritonserver's arguments (without the binary) for a single server."""
     args = [f"--model-repository={opts.model_repository}"]
     if backend_dir is not None:
         args.append(f"--backend-directory={backend_dir}")
@@ -148,40 +142,18 @@ def server_args(opts: ServerOptions, backend_dir: Path | None, shm_prefix: str, 
         "--allow-gpu-metrics=false",
         f"--exit-timeout-secs={opts.exit_timeout_s}",
         f"--log-verbose={opts.log_verbose}",
+        f"--http-address={opts.host}",
+        f"--http-port={opts.http_port}",
+        f"--grpc-address={opts.host}",
+        f"--grpc-port={opts.grpc_port}",
+        f"--metrics-address={opts.host}",
+        f"--metrics-port={opts.metrics_port}",
     ]
-    if rank == 0:
-        args += _serving_args(opts)
-    else:
-        # Ranks > 0 only host their share of the engine; clients talk to rank 0.
-        args += [
-            "--allow-http=false",
-            "--allow-grpc=false",
-            "--allow-metrics=false",
-            "--model-control-mode=explicit",
-        ]
-        args += [f"--load-model={name}" for name in opts.tensorrt_llm_model_names]
     return args + list(opts.extra_args)
 
 
 def server_command(binary: Path, opts: ServerOptions, backend_dir: Path | None, shm_prefix: str) -> list[str]:
-    """The whole command: tritonserver alone, or one rank per GPU under mpirun (world_size > 1)."""
-    if opts.world_size == 1:
-        return [str(binary), *server_args(opts, backend_dir, shm_prefix)]
-    return mpi_command(binary, opts, backend_dir, shm_prefix)
-
-
-def mpi_command(
-    binary: Path, opts: ServerOptions, backend_dir: Path | None, shm_prefix: str, mpirun: str = "mpirun"
-) -> list[str]:
-    """`mpirun -n 1 tritonserver ... : -n 1 tritonserver ...`, the way tensorrtllm_backend's launcher does.
-
-    Each rank gets its own shared-memory prefix (`<prefix><rank>_`) and auto-complete is off: the ranks
-    must all read the same config.pbtxt.
-    """
-    command = [mpirun, "--allow-run-as-root"]
-    for rank in range(opts.world_size):
-        if rank:
-            command.append(":")
-        args = server_args(opts, backend_dir, f"{shm_prefix}{rank}_", rank=rank)
-        command += ["-n", "1", str(binary), *args, "--disable-auto-complete-config"]
-    return command
+    """The whole command: tritonserver alone, or a TensorRT-LLM repository's mpirun launch."""
+    if opts.trtllm is not None:
+        return trtllm_command(opts.trtllm, opts, binary, shm_prefix)
+    return [str(binary), *server_args(opts, backend_dir, shm_prefix)]

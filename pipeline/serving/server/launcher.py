@@ -43,6 +43,7 @@ from pipeline.serving.server.command import (
     server_env,
 )
 from pipeline.serving.server.health import HealthWatch
+from pipeline.serving.server.trtllm_launch import MPIRUN
 
 SHM_DIR = Path("/dev/shm")
 _LOG_LINES_KEPT = 400
@@ -153,17 +154,17 @@ class TritonServer:
                 hint="Render one with `llmpipe package CONFIG`.",
             )
         install = self.install or find_tritonserver()
+        if self.options.trtllm is not None and shutil.which(MPIRUN) is None:
+            raise ServingError(
+                f"a TensorRT-LLM repository is started under {MPIRUN}, which is not on PATH",
+                hint="Serve it inside NVIDIA's tritonserver trtllm container (`make image`).",
+            )
         self.run_dir = Path(tempfile.mkdtemp(prefix="llmpipe-triton-"))
         backend_dir = prepare_backend_dir(install, self.run_dir)
         command = server_command(install.binary, self.options, backend_dir, self.shm_prefix)
-        if self.options.world_size > 1 and shutil.which(command[0]) is None:
-            raise ServingError(
-                f"world_size={self.options.world_size} needs {command[0]} on PATH",
-                hint="Serve tp*pp > 1 engines inside NVIDIA's tritonserver trtllm container.",
-            )
         self.process = subprocess.Popen(
             command,
-            env=server_env(install),
+            env=server_env(install, trtllm=self.options.trtllm),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
