@@ -22,10 +22,10 @@ def _run_stages(cfg: BuildConfig, specs: tuple[StageSpec, ...], force: bool, dry
 
 def _describe(cfg: BuildConfig, spec: StageSpec) -> list[str]:
     lines = spec.describe(cfg, stage_dir(cfg, spec))
-    if cfg.backend == "trtllm" and spec.name in ("convert", "quantize", "engine"):
+    if spec.name in ("convert", "quantize", "engine"):
         from pipeline.backends import backend_step
 
-        plan = backend_step("trtllm", "plan")
+        plan = backend_step(cfg.backend, "plan")
         if plan is not None:
             lines = lines + [f"    {line}" for line in plan(cfg, stage_dir(cfg, spec).parent, spec.name)]
     return lines

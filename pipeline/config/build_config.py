@@ -21,6 +21,8 @@ from pipeline.config.vocab import (
     BACKEND_KV_DTYPES,
     BACKEND_QUANT_MODES,
     QUANT_ALGO,
+    TRTLLM_PYTORCH_REFUSALS,
+    TRTLLM_PYTORCH_SPECULATIVE_MODES,
     TUNED_INT4_MODES,
     QuantMode,
     SchedulerPolicy,
@@ -322,7 +324,12 @@ class BuildConfig(_Strict):
     source: SourceSection = Field(
         default_factory=SourceSection, description="Where the checkpoint comes from."
     )
-    backend: Literal["torch", "trtllm"] = Field("torch", description="Engine backend.")
+    backend: Literal["torch", "trtllm", "trtllm_pytorch"] = Field(
+        "torch",
+        description="Engine backend: torch (llmpipe's engine, runs on CPU), trtllm (TensorRT engines, the route "
+        "TensorRT-LLM removed after 1.2) or trtllm_pytorch (TensorRT-LLM's PyTorch backend through the LLM API: "
+        "HF/ModelOpt checkpoints, no engine compilation).",
+    )
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto",
         description=(
@@ -461,7 +468,45 @@ def _check_backend_support(cfg: BuildConfig) -> None:
         )
 
 
-_CROSS_FIELD_CHECKS = (_check_lengths, _check_kv_capacity, _check_paged_context, _check_backend_support)
+def _check_trtllm_pytorch(cfg: BuildConfig) -> None:
+    """What TensorRT-LLM's PyTorch backend cannot take, with upstream's reason and what it offers; runs
+    before _check_backend_support so a user reads the reason, not only the list."""
+    if cfg.backend != "trtllm_pytorch":
+        return
+    q, spec = cfg.quantization, cfg.speculative
+    for name, value, offered in (
+        ("quantization.mode", q.mode, BACKEND_QUANT_MODES["trtllm_pytorch"]),
+        ("quantization.kv_cache_dtype", q.kv_cache_dtype, BACKEND_KV_DTYPES["trtllm_pytorch"]),
+        ("speculative.mode", spec.mode, TRTLLM_PYTORCH_SPECULATIVE_MODES),
+    ):
+        reason = TRTLLM_PYTORCH_REFUSALS.get(f"{name}={value}")
+        if reason:
+            raise ValueError(
+                f"{name}={value} is not available on backend=trtllm_pytorch: {reason}; "
+                f"choose one of {', '.join(offered)}"
+            )
+    if spec.mode == "ngram" and spec.ngram.min_match != 1:
+        raise ValueError(
+            f"speculative.ngram.min_match={spec.ngram.min_match}: the PyTorch backend's n-gram drafter has only a "
+            "longest match (max_matching_ngram_size = speculative.ngram.max_match); leave min_match at 1"
+        )
+    for field, on in (
+        ("kv_cache.use_paged_context_fmha=false", not cfg.kv_cache.use_paged_context_fmha),
+        ("engine.visualize_network=true", cfg.engine.visualize_network),
+    ):
+        if on:
+            raise ValueError(
+                f"{field} is a trtllm-build setting; backend=trtllm_pytorch compiles no TensorRT network: drop it"
+            )
+
+
+_CROSS_FIELD_CHECKS = (
+    _check_lengths,
+    _check_kv_capacity,
+    _check_paged_context,
+    _check_trtllm_pytorch,
+    _check_backend_support,
+)
 
 
 def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
