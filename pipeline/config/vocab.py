@@ -22,7 +22,7 @@ QuantMode = Literal[
 BACKEND_QUANT_MODES: dict[str, tuple[str, ...]] = {
     "torch": ("none", "int8_wo", "int4_wo", "int4_awq", "int4_gptq"),
     "trtllm": ("none", "int8_wo", "int4_wo", "int4_awq", "w4a8_awq", "int8_sq", "fp8", "fp8_pc_pt", "nvfp4"),
-    "trtllm_pytorch": ("none", "int4_awq", "w4a8_awq", "fp8", "fp8_pc_pt", "nvfp4"),
+    "trtllm_pytorch": ("none", "int4_awq", "w4a8_awq", "fp8", "nvfp4"),
 }
 # (backend, mode) pairs whose int4 grids quantization.tune can train (quantize/tune/).
 TUNED_INT4_MODES = (("torch", "int4_wo"), ("torch", "int4_awq"), ("torch", "int4_gptq"))
@@ -43,6 +43,8 @@ TRTLLM_PYTORCH_REFUSALS: dict[str, str] = {
     "int4 weights only as AWQ or GPTQ checkpoints",
     "quantization.mode=int8_sq": "the PyTorch backend has no INT8 SmoothQuant (W8A8) format (its quantization "
     "support matrix lists none)",
+    "quantization.mode=fp8_pc_pt": "the PyTorch backend loads FP8 rowwise (FP8_PER_CHANNEL_PER_TOKEN) checkpoints on "
+    "Hopper, but llmpipe's ModelOpt step does not make them yet (ModelOpt's FP8_PER_CHANNEL_PER_TOKEN_CFG)",
     "quantization.mode=int4_gptq": "the PyTorch backend loads W4A16 GPTQ only from checkpoints in its own layout, "
     "and this route quantizes with ModelOpt, which makes no GPTQ checkpoints",
     "quantization.kv_cache_dtype=int8": "the PyTorch backend's KvCacheConfig.dtype maps only auto and fp8 (an INT8 "
