@@ -3,11 +3,18 @@ it cannot take refused at load time with upstream's reason and the list of what 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 
-from pipeline.config.build_config import BuildConfig, build_config_from_dict
+from pipeline.config.build_config import BuildConfig, SpeculativeSection, build_config_from_dict
+from pipeline.config.vocab import (
+    BACKEND_KV_DTYPES,
+    BACKEND_QUANT_MODES,
+    TRTLLM_PYTORCH_REFUSALS,
+    TRTLLM_PYTORCH_SPECULATIVE_MODES,
+    QuantMode,
+)
 from pipeline.errors import ConfigError
 
 OFFERED_MODES = "none, int4_awq, w4a8_awq, fp8, nvfp4"
@@ -92,3 +99,17 @@ def test_the_engine_route_keeps_what_the_pytorch_backend_refuses() -> None:
          "quantization": {"mode": "int8_wo", "kv_cache_dtype": "int8"}, "speculative": {"mode": "lookahead"}}
     )  # fmt: skip
     assert cfg.quantization.quant_algo == "W8A16"
+
+
+def test_every_setting_is_either_offered_or_refused_with_a_reason() -> None:
+    for name, values, offered in (
+        ("quantization.mode", get_args(QuantMode), BACKEND_QUANT_MODES["trtllm_pytorch"]),
+        ("quantization.kv_cache_dtype", ("auto", "int8", "fp8"), BACKEND_KV_DTYPES["trtllm_pytorch"]),
+        (
+            "speculative.mode",
+            get_args(SpeculativeSection.model_fields["mode"].annotation),
+            TRTLLM_PYTORCH_SPECULATIVE_MODES,
+        ),
+    ):
+        for value in values:
+            assert (value in offered) != (f"{name}={value}" in TRTLLM_PYTORCH_REFUSALS), f"{name}={value}"

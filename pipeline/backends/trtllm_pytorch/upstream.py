@@ -7,6 +7,7 @@ when the model loads; checked here, it fails when the arguments are generated, n
 
 from __future__ import annotations
 
+import difflib
 import functools
 import re
 from collections.abc import Iterable, Mapping
@@ -18,6 +19,7 @@ from pipeline.errors import ConfigError
 from pipeline.util.package_data import DATA_DIR
 
 FIELDS_FILE = DATA_DIR / "llm_api_args_fields.txt"
+_LISTED = 8
 _SECTION = re.compile(r"^\[(class|choice|options) (.+)\]$")
 
 
@@ -97,8 +99,15 @@ def interface(path: Path = FIELDS_FILE) -> Interface:
 
 
 def _error(path: str, problem: str, allowed: Iterable[str], source: str) -> ConfigError:
+    names = sorted(allowed)
+    if len(names) > _LISTED:  # a class's whole field list would drown the line: the nearest names instead
+        wrong = path.rsplit(".", 1)[-1].rsplit(" ", 1)[-1]
+        names = difflib.get_close_matches(wrong, names, n=3, cutoff=0.5) or names[:_LISTED]
+        offer = f"nearest upstream names: {', '.join(names)}"
+    else:
+        offer = f"upstream allows {', '.join(names)}"
     return ConfigError(
-        f"generated TensorRT-LLM argument {path}: {problem}; upstream allows {', '.join(sorted(allowed))}",
+        f"generated TensorRT-LLM argument {path}: {problem}; {offer}",
         hint=f"llmpipe's trtllm_pytorch backend writes only names recorded from {source} "
         f"({FIELDS_FILE.name}): the generator and the record disagree",
     )
