@@ -2,7 +2,8 @@
 `convert(cfg, hf_dir, out_dir) -> facts`, `quantize(cfg, ckpt_dir, out_dir) -> facts`,
 `build(cfg, ckpt_dir, out_dir) -> facts`. `out_dir` is a temporary folder the stage framework renames.
 Optional: `quantize_data_files(cfg) -> {name: path}`, files outside the work dir the quantize step reads
-(calibration data), whose contents key the stage's reuse."""
+(calibration data), whose contents key the stage's reuse; `plan(cfg, workdir, stage) -> lines`, what
+`--dry-run` adds for convert, quantize and engine."""
 
 from __future__ import annotations
 
@@ -22,6 +23,13 @@ _STEPS: dict[str, dict[str, str]] = {
         "quantize": "pipeline.backends.trtllm.quantize:quantize",
         "build": "pipeline.backends.trtllm.build:build",
         "plan": "pipeline.backends.trtllm.plan:plan",
+    },
+    "trtllm_pytorch": {
+        "convert": "pipeline.backends.trtllm_pytorch.convert:convert",
+        "quantize": "pipeline.backends.trtllm_pytorch.quantize:quantize",
+        "quantize_data_files": "pipeline.backends.trtllm_pytorch.quantize:data_files",
+        "build": "pipeline.backends.trtllm_pytorch.build:build",
+        "plan": "pipeline.backends.trtllm_pytorch.plan:plan",
     },
 }
 

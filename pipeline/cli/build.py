@@ -22,11 +22,11 @@ def run_stages(cfg: BuildConfig, specs: tuple[StageSpec, ...], force: bool, dry_
 
 def _describe(cfg: BuildConfig, spec: StageSpec) -> list[str]:
     lines = spec.describe(cfg, stage_dir(cfg, spec))
-    # The trtllm plan shows the calls a build makes (not an imported engine's stage, which builds nothing).
-    if cfg.backend == "trtllm" and spec in PIPELINE and spec.name in ("convert", "quantize", "engine"):
+    # A backend's plan shows the calls a build makes (not an imported engine's stage, which builds nothing).
+    if spec in PIPELINE and spec.name in ("convert", "quantize", "engine"):
         from pipeline.backends import backend_step
 
-        plan = backend_step("trtllm", "plan")
+        plan = backend_step(cfg.backend, "plan")
         if plan is not None:
             lines = lines + [f"    {line}" for line in plan(cfg, stage_dir(cfg, spec).parent, spec.name)]
     return lines

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from typing import Any
 
 import click
@@ -16,8 +17,9 @@ from pipeline.backends.trtllm.versions import (
     quant_mode_builds_on,
     release_for_runtime,
 )
+from pipeline.backends.trtllm_pytorch import release as pytorch_route
 from pipeline.cli.options import CONTEXT
-from pipeline.config.vocab import BACKEND_QUANT_MODES
+from pipeline.config.vocab import BACKEND_KV_DTYPES, BACKEND_QUANT_MODES
 from pipeline.errors import PipelineError
 
 
@@ -90,6 +92,39 @@ def _trtllm_backend(trtllm: env.Probe, gpus: env.Probe) -> dict[str, Any]:
     }
 
 
+def _trtllm_pytorch_backend(trtllm: env.Probe, gpus: env.Probe) -> dict[str, Any]:
+    """Serving needs TensorRT-LLM's release line and a GPU; building does not (nothing is compiled and
+    ModelOpt quantizes on the CPU), so a build can be made here and served elsewhere."""
+    reasons = [r for r in (trtllm.reason, gpus.reason) if r]
+    pinned_line = pytorch_route.PINNED.rsplit(".", 1)[0]
+    if trtllm.value is not None and not str(trtllm.value).startswith(f"{pinned_line}."):
+        reasons.append(
+            f"TensorRT-LLM {trtllm.value} is installed; this route is written for {pytorch_route.PINNED} "
+            f"({pytorch_route.PINNED_CONTAINER})"
+        )
+    report: dict[str, Any] = {"builds_here": True, "quant_modes": [], "kv_cache_dtypes": []}
+    if reasons:
+        return {**report, "available": False, "reason": "; ".join(reasons)}
+    sms = [g.sm for g in gpus.value]
+
+    def everywhere(gpu_range: tuple[int, int | None]) -> bool:
+        return all(pytorch_route.runs_on(gpu_range, sm) for sm in sms)
+
+    return {
+        **report,
+        "available": True,
+        "reason": None,
+        "quant_modes": [
+            m
+            for m in BACKEND_QUANT_MODES["trtllm_pytorch"]
+            if everywhere(pytorch_route.GPU_RANGE_FOR_QUANT[m])
+        ],
+        "kv_cache_dtypes": [
+            k for k in BACKEND_KV_DTYPES["trtllm_pytorch"] if everywhere(pytorch_route.GPU_RANGE_FOR_KV[k])
+        ],
+    }
+
+
 def collect_report() -> dict[str, Any]:
     gpus, trtllm = env.gpus(), env.tensorrt_llm_version()
     torch = env.torch_info()
@@ -102,7 +137,12 @@ def collect_report() -> dict[str, Any]:
         "tensorrt": env.tensorrt_version().as_dict(),
         "tritonserver": env.tritonserver_version().as_dict(),
         "pinned_release": {"tensorrt_llm": PINNED, "container": PINNED_CONTAINER},
-        "backends": {"torch": _torch_backend(torch), "trtllm": _trtllm_backend(trtllm, gpus)},
+        "backends": {
+            "torch": _torch_backend(torch),
+            "trtllm": _trtllm_backend(trtllm, gpus),
+            "trtllm_pytorch": _trtllm_pytorch_backend(trtllm, gpus),
+        },
+        "routes": {name: asdict(route) for name, route in pytorch_route.ROUTES.items()},
         "cpu_kernels": _cpu_kernels(torch),
     }
 
@@ -148,7 +188,11 @@ def format_table(report: dict[str, Any]) -> str:
                 text += f"; KV: {', '.join(backend['kv_cache_dtypes'])}"
         else:
             text = f"no: {backend['reason']}"
+            if backend.get("builds_here"):
+                text += " (builds here all the same: nothing is compiled)"
         rows.append((f"backend {name}", text))
+    for name, route in report["routes"].items():
+        rows.append((f"route {name}", pytorch_route.Route(**route).describe()))
     kernels = report["cpu_kernels"]
     if kernels["reason"]:
         kernels_text = f"off: {kernels['reason']}"
@@ -164,7 +208,8 @@ def format_table(report: dict[str, Any]) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def doctor(as_json: bool) -> None:
     """Show what this machine can do: GPUs, CUDA, TensorRT-LLM, Triton, which backends and quantization
-    modes are possible here (and why not), and the torch backend's CPU kernels (ISA, compiler, library).
+    modes are possible here (and why not), which TensorRT-LLM route, release and container each TensorRT-LLM
+    backend takes (and why), and the torch backend's CPU kernels (ISA, compiler, library).
 
     \b
     Examples:

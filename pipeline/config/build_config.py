@@ -21,6 +21,8 @@ from pipeline.config.vocab import (
     BACKEND_KV_DTYPES,
     BACKEND_QUANT_MODES,
     QUANT_ALGO,
+    TRTLLM_PYTORCH_REFUSALS,
+    TRTLLM_PYTORCH_SPECULATIVE_MODES,
     TUNED_INT4_MODES,
     QuantMode,
     SchedulerPolicy,
@@ -198,7 +200,7 @@ class EngineSection(_Strict):
 # kv_cache_free_gpu_mem_fraction, 0.9 (triton-inference-server/tensorrtllm_backend:docs/model_config.md@b155c0e,
 # inflight_batcher_llm/src/model_instance_state.cc@66a0624). torch: 0.2, as on CPU the cache comes out of RAM
 # the rest of the machine needs.
-KV_FREE_MEMORY_FRACTION_DEFAULT: dict[str, float] = {"trtllm": 0.9, "torch": 0.2}
+KV_FREE_MEMORY_FRACTION_DEFAULT: dict[str, float] = {"trtllm": 0.9, "trtllm_pytorch": 0.9, "torch": 0.2}
 
 # Weight formats under which TensorRT-LLM's engine builder keeps paged context FMHA over an FP8 KV cache; it
 # turns use_paged_context_fmha off for an FP8 KV cache under any other weights, and for an INT8 KV cache
@@ -247,11 +249,12 @@ class ServingSection(_Strict):
     http_port: int = Field(8000, ge=1, le=65535, description="HTTP/REST port.")
     grpc_port: int = Field(8001, ge=1, le=65535, description="gRPC port.")
     metrics_port: int = Field(8002, ge=1, le=65535, description="Prometheus metrics port.")
-    interface: Literal["inflight_batcher_llm", "llmapi"] = Field(
-        "inflight_batcher_llm",
+    interface: Literal["inflight_batcher_llm", "llmapi"] | None = Field(
+        None,
         description="Triton model layout (the folder names of TensorRT-LLM's triton_backend/all_models): "
         "inflight_batcher_llm = ensemble, pre/postprocessing, tensorrt_llm (token ids) and tensorrt_llm_bls; "
-        "llmapi = one text-in, text-out model tensorrt_llm with sampling_param_* inputs (torch backend).",
+        "llmapi = one text-in, text-out model tensorrt_llm with sampling_param_* inputs (torch and "
+        "trtllm_pytorch). None = the backend's own: llmapi on trtllm_pytorch, else inflight_batcher_llm.",
     )
     decoupled: bool = Field(True, description="Decoupled transaction policy (needed for streaming).")
     streaming: bool = Field(True, description="Allow streamed responses (requires decoupled).")
@@ -342,7 +345,12 @@ class BuildConfig(_Strict):
     source: SourceSection = Field(
         default_factory=SourceSection, description="Where the checkpoint comes from."
     )
-    backend: Literal["torch", "trtllm"] = Field("torch", description="Engine backend.")
+    backend: Literal["torch", "trtllm", "trtllm_pytorch"] = Field(
+        "torch",
+        description="Engine backend: torch (llmpipe's engine, runs on CPU), trtllm (TensorRT engines, the route "
+        "TensorRT-LLM removed after 1.2) or trtllm_pytorch (TensorRT-LLM's PyTorch backend through the LLM API: "
+        "HF/ModelOpt checkpoints, no engine compilation).",
+    )
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto",
         description=(
@@ -545,7 +553,18 @@ def _check_backend_support(cfg: BuildConfig) -> None:
         )
 
 
+def _resolve_serving_interface(cfg: BuildConfig) -> None:
+    if cfg.serving.interface is None:
+        cfg.serving.interface = "llmapi" if cfg.backend == "trtllm_pytorch" else "inflight_batcher_llm"
+
+
 def _check_serving_interface(cfg: BuildConfig) -> None:
+    if cfg.serving.interface == "inflight_batcher_llm" and cfg.backend == "trtllm_pytorch":
+        raise ValueError(
+            "serving.interface=inflight_batcher_llm needs TensorRT engines and backend=trtllm_pytorch serves the "
+            "LLM API, which Triton runs through serving.interface=llmapi; use serving.interface=llmapi or "
+            "backend=trtllm"
+        )
     if cfg.serving.interface == "llmapi" and cfg.backend == "trtllm":
         raise ValueError(
             "serving.interface=llmapi runs the engine inside a Python model and backend=trtllm builds TensorRT "
@@ -554,12 +573,46 @@ def _check_serving_interface(cfg: BuildConfig) -> None:
         )
 
 
+def _check_trtllm_pytorch(cfg: BuildConfig) -> None:
+    """What TensorRT-LLM's PyTorch backend cannot take, with upstream's reason and what it offers; runs
+    before _check_backend_support so a user reads the reason, not only the list."""
+    if cfg.backend != "trtllm_pytorch":
+        return
+    q, spec = cfg.quantization, cfg.speculative
+    for name, value, offered in (
+        ("quantization.mode", q.mode, BACKEND_QUANT_MODES["trtllm_pytorch"]),
+        ("quantization.kv_cache_dtype", q.kv_cache_dtype, BACKEND_KV_DTYPES["trtllm_pytorch"]),
+        ("speculative.mode", spec.mode, TRTLLM_PYTORCH_SPECULATIVE_MODES),
+    ):
+        reason = TRTLLM_PYTORCH_REFUSALS.get(f"{name}={value}")
+        if reason:
+            raise ValueError(
+                f"{name}={value} is not available on backend=trtllm_pytorch: {reason}; "
+                f"choose one of {', '.join(offered)}"
+            )
+    if spec.mode == "ngram" and spec.ngram.min_match != 1:
+        raise ValueError(
+            f"speculative.ngram.min_match={spec.ngram.min_match}: the PyTorch backend's n-gram drafter has only a "
+            "longest match (max_matching_ngram_size = speculative.ngram.max_match); leave min_match at 1"
+        )
+    for field, on in (
+        ("kv_cache.use_paged_context_fmha=false", not cfg.kv_cache.use_paged_context_fmha),
+        ("engine.visualize_network=true", cfg.engine.visualize_network),
+    ):
+        if on:
+            raise ValueError(
+                f"{field} is a trtllm-build setting; backend=trtllm_pytorch compiles no TensorRT network: drop it"
+            )
+
+
 _CROSS_FIELD_CHECKS = (
     _check_lengths,
     _check_kv_capacity,
+    _resolve_serving_interface,
     _resolve_kv_free_memory_fraction,
     _check_draft_target,
     _check_paged_context,
+    _check_trtllm_pytorch,
     _check_backend_support,
     _check_serving_interface,
 )

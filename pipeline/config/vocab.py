@@ -16,16 +16,45 @@ QuantMode = Literal[
     "none", "int8_wo", "int4_wo", "int4_awq", "int4_gptq", "w4a8_awq", "int8_sq", "fp8", "fp8_pc_pt", "nvfp4"
 ]
 # Which quantization modes each backend implements; `trtllm` follows ModelOpt's quantize.py --qformat list
-# (which has no GPTQ: TensorRT-LLM only loads GPTQ checkpoints made elsewhere).
+# (which has no GPTQ: TensorRT-LLM only loads GPTQ checkpoints made elsewhere); `trtllm_pytorch` the formats
+# TensorRT-LLM 1.1.0's PyTorch backend loads from a ModelOpt checkpoint (its quantization support matrix,
+# NVIDIA/TensorRT-LLM:1.1.0/features/quantization.html@8660c119, gh-pages).
 BACKEND_QUANT_MODES: dict[str, tuple[str, ...]] = {
     "torch": ("none", "int8_wo", "int4_wo", "int4_awq", "int4_gptq"),
     "trtllm": ("none", "int8_wo", "int4_wo", "int4_awq", "w4a8_awq", "int8_sq", "fp8", "fp8_pc_pt", "nvfp4"),
+    "trtllm_pytorch": ("none", "int4_awq", "w4a8_awq", "fp8", "nvfp4"),
 }
 # (backend, mode) pairs whose int4 grids quantization.tune can train (quantize/tune/).
 TUNED_INT4_MODES = (("torch", "int4_wo"), ("torch", "int4_awq"), ("torch", "int4_gptq"))
 BACKEND_KV_DTYPES: dict[str, tuple[str, ...]] = {
     "torch": ("auto", "int8"),
     "trtllm": ("auto", "int8", "fp8"),
+    "trtllm_pytorch": ("auto", "fp8"),
+}
+TRTLLM_PYTORCH_SPECULATIVE_MODES = ("none", "draft_model", "ngram")
+# Why the PyTorch backend (TensorRT-LLM 1.1.0) cannot take a setting the engine route or the torch backend
+# can, keyed by the setting; the config check quotes it. Sources: the quantization support matrix above;
+# tensorrt_llm/llmapi/llm_args.py@48b7b5d (LookaheadDecodingConfig / MedusaDecodingConfig.supports_backend,
+# TorchLlmArgs.sync_quant_config_with_kv_cache_config_dtype, EagleDecodingConfig.validate).
+TRTLLM_PYTORCH_REFUSALS: dict[str, str] = {
+    "quantization.mode=int8_wo": "the PyTorch backend has no INT8 weight-only format (its quantization support "
+    "matrix lists none; https://github.com/NVIDIA/TensorRT-LLM/issues/3701)",
+    "quantization.mode=int4_wo": "plain W4A16 weight-only is an engine-route format: the PyTorch backend loads "
+    "int4 weights only as AWQ or GPTQ checkpoints",
+    "quantization.mode=int8_sq": "the PyTorch backend has no INT8 SmoothQuant (W8A8) format (its quantization "
+    "support matrix lists none)",
+    "quantization.mode=fp8_pc_pt": "the PyTorch backend loads FP8 rowwise (FP8_PER_CHANNEL_PER_TOKEN) checkpoints on "
+    "Hopper, but llmpipe's ModelOpt step does not make them yet (ModelOpt's FP8_PER_CHANNEL_PER_TOKEN_CFG)",
+    "quantization.mode=int4_gptq": "the PyTorch backend loads W4A16 GPTQ only from checkpoints in its own layout, "
+    "and this route quantizes with ModelOpt, which makes no GPTQ checkpoints",
+    "quantization.kv_cache_dtype=int8": "the PyTorch backend's KvCacheConfig.dtype maps only auto and fp8 (an INT8 "
+    "KV cache is not in 1.1.0: https://github.com/NVIDIA/TensorRT-LLM/issues/3701)",
+    "speculative.mode=lookahead": "lookahead decoding is an engine-route mode (LookaheadDecodingConfig does not "
+    "support the pytorch backend)",
+    "speculative.mode=medusa": "Medusa is an engine-route mode (MedusaDecodingConfig does not support the "
+    "pytorch backend)",
+    "speculative.mode=eagle": "EAGLE on the PyTorch backend needs EAGLE3 draft weights "
+    "(EagleDecodingConfig.speculative_model_dir), which the build config does not name",
 }
 # quantize.py --qformat -> the checkpoint's quantization.quant_algo
 # (NVIDIA/TensorRT-LLM:examples/quantization/quantize.py@c8c6df0); int4_gptq, torch only, takes the QuantAlgo
