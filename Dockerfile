@@ -15,17 +15,18 @@ FROM ${BASE_IMAGE}
 
 WORKDIR /opt/llmpipe
 COPY pyproject.toml README.md ./
-COPY scripts/image_requirements.py ./scripts/
 COPY pipeline ./pipeline
 COPY build_configs ./build_configs
 
-# NOTE: --no-deps keeps the image's torch, transformers and tensorrt_llm exactly as NVIDIA built them
-# (TensorRT-LLM pins its own transformers): pyproject.toml's dependencies that the image already has stay at
-# the image's version, and only the ones it lacks are installed, within pyproject's ranges.
-RUN python3 -m pip install --no-cache-dir --no-deps -e . \
- && python3 scripts/image_requirements.py > /tmp/llmpipe-requirements.txt \
- && python3 -m pip install --no-cache-dir -r /tmp/llmpipe-requirements.txt \
- && python3 -c "import tensorrt_llm, pipeline.cli.main; print('tensorrt_llm', tensorrt_llm.__version__)"
+# NOTE: llmpipe installs with its dependencies, constrained to every version the image already holds, so
+# TensorRT-LLM, torch and transformers stay exactly as NVIDIA built them and pip only adds what is missing.
+# TensorRT-LLM 1.1.0 pins transformers==4.56.0 (hence huggingface-hub<1, tokenizers 0.22), all inside
+# pyproject.toml's ranges; tests/integration/test_trtllm_dependencies.py runs llmpipe on that stack. An image
+# version outside a range stops this build with pip's conflict report instead of being replaced.
+RUN python3 -m pip list --format=freeze > /tmp/image-versions.txt \
+ && python3 -m pip install --no-cache-dir -c /tmp/image-versions.txt -e . \
+ && python3 -c "import tensorrt_llm, transformers, pipeline.cli.main; \
+print('tensorrt_llm', tensorrt_llm.__version__, 'transformers', transformers.__version__)"
 
 ENTRYPOINT ["llmpipe"]
 CMD ["doctor"]

@@ -10,7 +10,7 @@ CONFIG ?= build_configs/smollm2-135m.yaml
 PYTEST_ARGS ?=
 INSTALLED := $(VENV)/.installed
 
-.PHONY: help install build-engine serve test test-slow test-all lint typecheck bench bench-quant bench-deps validate tiny-model soak image clean
+.PHONY: help install build-engine serve test test-slow test-all test-trtllm-deps lint typecheck bench bench-quant bench-deps validate tiny-model soak image clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
@@ -31,7 +31,7 @@ build-engine: install  ## build the default engine ($(CONFIG)) and its Triton mo
 serve: install  ## serve the default build with tritonserver on 127.0.0.1
 	$(LLMPIPE) serve $(CONFIG)
 
-test: install  ## the CI suite (no GPU, no network)
+test: install  ## the CI suite (no GPU; PyPI once, for TensorRT-LLM's transformers stack)
 	$(PY) -m pytest -m "not slow and not gpu" -q $(PYTEST_ARGS)
 
 test-slow: install  ## the slow tests only (SmolLM2 parity and accuracy, soak)
@@ -39,6 +39,9 @@ test-slow: install  ## the slow tests only (SmolLM2 parity and accuracy, soak)
 
 test-all: install  ## everything that can run here
 	$(PY) -m pytest -m "not gpu" -q $(PYTEST_ARGS)
+
+test-trtllm-deps: install  ## llmpipe on TensorRT-LLM 1.1.0's transformers stack, and pip resolving the two together (PyPI; downloads several GB)
+	$(PY) -m pytest -q tests/integration/test_trtllm_dependencies.py $(PYTEST_ARGS)
 
 lint: install  ## ruff check + format check
 	$(VENV)/bin/ruff check pipeline tests scripts

@@ -385,7 +385,9 @@ def test_dockerfile_builds_on_the_pinned_serving_image() -> None:
     dockerfile = (Path(__file__).resolve().parents[2] / "Dockerfile").read_text()
     assert f"ARG BASE_IMAGE={PINNED_CONTAINER}\n" in dockerfile
     assert "FROM ${BASE_IMAGE}" in dockerfile
-    assert "--no-deps" in dockerfile  # the image's torch / transformers / tensorrt_llm stay untouched
+    # the image's torch / transformers / tensorrt_llm stay untouched: every installed version is a constraint
+    assert "pip list --format=freeze > /tmp/image-versions.txt" in dockerfile
+    assert "pip install --no-cache-dir -c /tmp/image-versions.txt -e ." in dockerfile
 
 
 def _tensors(

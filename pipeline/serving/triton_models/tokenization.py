@@ -23,11 +23,20 @@ GENERATION_CONFIG = "generation_config.json"
 GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
-def _tokenizer_class(path: Path) -> str | None:
+def _tokenizer_config(path: Path) -> dict[str, Any]:
     config = path / "tokenizer_config.json"
-    if not config.is_file():
-        return None
-    return json.loads(config.read_text(encoding="utf-8")).get("tokenizer_class")
+    return json.loads(config.read_text(encoding="utf-8")) if config.is_file() else {}
+
+
+def _transformers_4_kwargs(config: dict[str, Any]) -> dict[str, Any]:
+    """from_pretrained overrides under transformers 4 (TensorRT-LLM's pin) for a tokenizer saved by
+    transformers 5, which writes its list of added special tokens as `extra_special_tokens`: transformers 4
+    reads that key as a dict of named tokens (and fails on a list) and calls the list
+    `additional_special_tokens`."""
+    extra = config.get("extra_special_tokens")
+    if not isinstance(extra, list):
+        return {}
+    return {"extra_special_tokens": {}, "additional_special_tokens": extra}
 
 
 def load_tokenizer(path: str | Path) -> Any:
@@ -37,16 +46,23 @@ def load_tokenizer(path: str | Path) -> Any:
     imports torch (via AutoConfig), which costs each Triton stub ~3 s to start and seconds to stop.
     """
     path = Path(path)
+    config = _tokenizer_config(path)
     TokenizerClass: Any  # noqa: N806
-    if _tokenizer_class(path) in GENERIC_TOKENIZER_CLASSES and (path / "tokenizer.json").is_file():
-        try:
-            from transformers import TokenizersBackend as TokenizerClass
-        except ImportError:  # transformers < 5
-            from transformers import PreTrainedTokenizerFast as TokenizerClass
-    else:
+    try:
+        from transformers import TokenizersBackend as TokenizerClass
+
+        kwargs: dict[str, Any] = {}
+    except ImportError:  # transformers < 5
+        from transformers import PreTrainedTokenizerFast as TokenizerClass
+
+        kwargs = _transformers_4_kwargs(config)
+    generic = (
+        config.get("tokenizer_class") in GENERIC_TOKENIZER_CLASSES and (path / "tokenizer.json").is_file()
+    )
+    if not generic:
         from transformers import AutoTokenizer as TokenizerClass
     tokenizer = TokenizerClass.from_pretrained(
-        str(path), local_files_only=True, trust_remote_code=False, padding_side="left"
+        str(path), local_files_only=True, trust_remote_code=False, padding_side="left", **kwargs
     )
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
         tokenizer.pad_token = tokenizer.eos_token
