@@ -43,7 +43,7 @@ class ReferenceModel:
         self.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
         if model is None:
             model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
-        self.model = model.eval()
+        self.model: Any = model.eval()  # a transformers causal LM: generate() is its own
         self.stop_ids = stop_token_ids(checkpoint, self.tokenizer)
 
     @torch.inference_mode()
