@@ -5,31 +5,10 @@ from __future__ import annotations
 import click
 
 from pipeline.cli.options import CONTEXT, config_options
-from pipeline.config.build_config import BuildConfig, load_build_config
-from pipeline.stages.chain import PIPELINE, run_chain, stages_until
-from pipeline.stages.runner import StageSpec, stage_dir
-
-
-def run_stages(cfg: BuildConfig, specs: tuple[StageSpec, ...], force: bool, dry_run: bool) -> None:
-    if dry_run:
-        click.echo(f"plan for {cfg.name} ({cfg.backend} backend):")
-        for index, spec in enumerate(specs, 1):
-            for line in _describe(cfg, spec):
-                click.echo(f"  [{index}/{len(specs)}] {spec.name}: {line}")
-        return
-    run_chain(cfg, specs, force=force, report=lambda line: click.echo(line, err=True))
-
-
-def _describe(cfg: BuildConfig, spec: StageSpec) -> list[str]:
-    lines = spec.describe(cfg, stage_dir(cfg, spec))
-    # A backend's plan shows the calls a build makes (not an imported engine's stage, which builds nothing).
-    if spec in PIPELINE and spec.name in ("convert", "quantize", "engine"):
-        from pipeline.backends import backend_step
-
-        plan = backend_step(cfg.backend, "plan")
-        if plan is not None:
-            lines = lines + [f"    {line}" for line in plan(cfg, stage_dir(cfg, spec).parent, spec.name)]
-    return lines
+from pipeline.cli.stage_run import run_stages
+from pipeline.config.build_config import load_build_config
+from pipeline.stages.chain import PIPELINE, stages_until
+from pipeline.stages.runner import StageSpec
 
 
 @click.command(context_settings=CONTEXT)

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from pipeline.cli.options import CONTEXT, config_options
+from pipeline.cli.stage_run import run_stages
 from pipeline.config.build_config import load_build_config
 from pipeline.stages import engine, fetch
 from pipeline.stages import package as package_stage
@@ -53,8 +54,6 @@ def package(
       llmpipe package my-llama.yaml --engine-dir /engines/llama-8b-tp2 --compute-capability 9.0
       llmpipe package my-llama.yaml --engine-dir /engines/llama-8b-tp2 --dry-run
     """
-    from pipeline.cli.build import run_stages
-
     if compute_capability is not None and engine_dir is None:
         raise click.UsageError("--compute-capability describes an --engine-dir; pass both or neither")
     cfg = load_build_config(config, overrides)

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from pipeline.backends.trtllm import build as build_step
-from pipeline.backends.trtllm import env, guards
+from pipeline.backends.trtllm import build_cmd, env, guards
 from pipeline.backends.trtllm.build_cmd import NETWORK_DIRNAME
 from pipeline.backends.trtllm.convert import convert
 from pipeline.backends.trtllm.plan import plan
@@ -272,8 +272,8 @@ def test_the_engine_folder_holds_what_trtllm_build_writes(gpu_host: Path, tmp_pa
     written = {p for p in key_paths(engine_config) if "." not in p or layout_children(p.rsplit(".", 1)[0])}
     assert written == set(layout)
     assert engine_config["pretrained_config"] == json.loads((ckpt / "config.json").read_text())
-    # the timing cache goes where --output_timing_cache says: by default the working directory
-    assert (tmp_path / "model.cache").is_file()
+    # the timing cache goes where --output_timing_cache says: the work dir, not the directory of the build
+    assert (tmp_path / build_cmd.TIMING_CACHE_NAME).is_file() and not Path("model.cache").exists()
 
 
 def test_the_engine_folder_carries_the_checkpoints_tokenizer(gpu_host: Path, tmp_path: Path) -> None:

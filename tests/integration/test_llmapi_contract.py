@@ -20,7 +20,7 @@ from tests.serving_helpers import tiny_config
 
 UPSTREAM = Path(__file__).resolve().parents[1] / "contract" / "upstream"
 CITATION = re.compile(
-    r"^# NVIDIA/TensorRT-LLM:triton_backend/all_models/llmapi/tensorrt_llm/\S+@[0-9a-f]{40}$"
+    r"^# NVIDIA/TensorRT-LLM:triton_backend/all_models/llmapi/tensorrt_llm/\S+@[0-9a-f]{40} \(read with .+\)$"
 )
 Tensor = tuple[str, str, str, tuple[int, ...], bool]  # kind, name, data_type, dims, optional
 

@@ -25,6 +25,7 @@ SPECULATIVE_DECODING_MODE: dict[str, str] = {
 # Where the TensorRT network is exported as ONNX, inside the engine folder (inspected by onnx.checker).
 NETWORK_DIRNAME = "network_onnx"
 BUILD_LOG_NAME = "trtllm-build.log"
+TIMING_CACHE_NAME = "trtllm-timing.cache"
 # Batch sizes at or below which the FP8 GEMM plugin beats the QDQ path (TensorRT-LLM's own benchmark
 # builder switches at the same point).
 _FP8_GEMM_PLUGIN_MAX_BATCH = 4
@@ -136,6 +137,9 @@ def trtllm_build_argv(
     argv += ["--workers", str(build_workers(cfg))]
     if e.visualize_network:
         argv += ["--visualize_network", str(Path(engine_dir) / NETWORK_DIRNAME)]
+    # Upstream's default, model.cache, lands in whatever directory the build was started from; the work dir
+    # keeps it beside the engine instead, outside the engine folder (it is no part of the engine).
+    argv += ["--output_timing_cache", str(Path(engine_dir).parent / TIMING_CACHE_NAME)]
     argv += ["--log_level", "info"]
     check_argv(argv, target)
     return argv

@@ -4,7 +4,7 @@ Two installs are supported:
 - a `tritonserver` on PATH (NVIDIA's containers): it brings its own backends and Python, nothing to set;
 - the binary bundled in the `nvidia-pytriton` wheel (CPU machines, CI): it needs a per-server backend
   folder, its shared libraries on LD_LIBRARY_PATH and this interpreter's prefix on PATH
-  (docs: TRITON_ON_CPU.md).
+  (nvidia-pytriton ships the server without them).
 """
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ import os
 import shutil
 import sys
 import sysconfig
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.errors import ServingError
-from pipeline.serving.server.trtllm_launch import TrtllmLaunch, trtllm_command
+from pipeline.serving.server.options import ServerOptions, TrtllmLaunch
+from pipeline.serving.server.trtllm_launch import trtllm_command
 from pipeline.util.openmp import default_wait_policy
 from pipeline.util.package_data import IMPORT_ROOT
 
@@ -39,23 +40,6 @@ class TritonInstall:
     @property
     def bundled(self) -> bool:
         return self.python_backend is not None
-
-
-@dataclass(frozen=True)
-class ServerOptions:
-    """How to run one server. Ports must be concrete (pick free ones before building a command)."""
-
-    model_repository: Path
-    host: str = "127.0.0.1"
-    http_port: int = 8000
-    grpc_port: int = 8001
-    metrics_port: int = 8002
-    exit_timeout_s: int = 5
-    log_verbose: int = 0
-    # A TensorRT-LLM repository: started the way tensorrtllm_backend's launcher starts it (under mpirun,
-    # trtllm_launch.py); None: one plain tritonserver.
-    trtllm: TrtllmLaunch | None = None
-    extra_args: tuple[str, ...] = field(default_factory=tuple)
 
 
 def find_tritonserver(path_env: str | None = None) -> TritonInstall:

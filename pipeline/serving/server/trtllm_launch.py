@@ -32,42 +32,21 @@ everything else in leader mode.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pipeline.serving.server.options import ORCHESTRATOR_ENV, ServerOptions, TrtllmLaunch
+
 if TYPE_CHECKING:
     from pipeline.config.build_config import BuildConfig
-    from pipeline.serving.server.command import ServerOptions
+
+__all__ = ["ORCHESTRATOR_ENV", "TrtllmLaunch", "launch_for", "trtllm_command"]
 
 MPIRUN = "mpirun"
 # The path launch_triton_server.py assumes (its --tritonserver default): where NVIDIA's containers put it.
 CONTAINER_TRITONSERVER = Path("/opt/tritonserver/bin/tritonserver")
-ORCHESTRATOR_ENV = {"TRTLLM_ORCHESTRATOR": "1", "TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES": "1"}
 # Orchestrator mode adds its memory-pool flags only on a Triton newer than this (check_triton_version).
 _POOLS_AFTER_TRITON = (24, 6)
-
-
-@dataclass(frozen=True)
-class TrtllmLaunch:
-    """What launch_triton_server.py would be given for one TensorRT-LLM repository."""
-
-    world_size: int = 1  # tp*pp of the engine (--world_size in leader mode)
-    orchestrator: bool = False  # --multi-model: one tritonserver, the models spawn their MPI workers
-    num_gpus: int = 1  # GPUs the host lists (orchestrator mode zeroes each one's CUDA memory pool)
-    # NVIDIA_TRITON_SERVER_VERSION of the container ("25.12"); None: the variable is unset, which happens
-    # only outside NVIDIA's containers, so the pinned (newer than 24.06) container is assumed.
-    triton_version: str | None = None
-    model_names: tuple[str, ...] = ("tensorrt_llm",)  # --tensorrt_llm_model_name: what ranks > 0 load
-
-    @property
-    def num_ranks(self) -> int:
-        return 1 if self.orchestrator else self.world_size
-
-    @property
-    def env(self) -> dict[str, str]:
-        """The variables the launch adds to the server's environment."""
-        return dict(ORCHESTRATOR_ENV) if self.orchestrator else {}
 
 
 def launch_for(cfg: BuildConfig, num_gpus: int | None, triton_version: str | None) -> TrtllmLaunch:

@@ -15,4 +15,5 @@ trtllm-build \
     --multiple_profiles enable \
     --gemm_plugin float16 \
     --workers 1 \
+    --output_timing_cache build/draft-target.draft/trtllm-timing.cache \
     --log_level info

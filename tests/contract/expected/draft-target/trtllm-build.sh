@@ -17,4 +17,5 @@ trtllm-build \
     --speculative_decoding_mode draft_tokens_external \
     --max_draft_len 10 \
     --workers 1 \
+    --output_timing_cache build/draft-target/trtllm-timing.cache \
     --log_level info

@@ -16,4 +16,5 @@ trtllm-build \
     --gemm_plugin float16 \
     --workers 1 \
     --visualize_network build/fp16-tp1/engine/network_onnx \
+    --output_timing_cache build/fp16-tp1/trtllm-timing.cache \
     --log_level info

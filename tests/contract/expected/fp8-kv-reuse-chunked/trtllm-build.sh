@@ -14,4 +14,5 @@ trtllm-build \
     --remove_input_padding enable \
     --multiple_profiles enable \
     --workers 1 \
+    --output_timing_cache build/fp8-kv-reuse-chunked/trtllm-timing.cache \
     --log_level info

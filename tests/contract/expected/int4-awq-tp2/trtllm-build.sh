@@ -15,4 +15,5 @@ trtllm-build \
     --multiple_profiles enable \
     --gemm_plugin float16 \
     --workers 2 \
+    --output_timing_cache build/int4-awq-tp2/trtllm-timing.cache \
     --log_level info

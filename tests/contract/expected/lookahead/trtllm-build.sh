@@ -17,4 +17,5 @@ trtllm-build \
     --speculative_decoding_mode lookahead_decoding \
     --max_draft_len 15 \
     --workers 1 \
+    --output_timing_cache build/lookahead/trtllm-timing.cache \
     --log_level info
