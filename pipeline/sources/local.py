@@ -12,6 +12,7 @@ from typing import Any
 
 from pipeline.errors import MissingArtifactError, UnsupportedModelError
 from pipeline.sources import PICKLE_WEIGHTS, SAFETENSORS_WEIGHTS, SUPPORTED_ARCHITECTURES, TOKENIZER_FILES
+from pipeline.util.files import read_json_object
 
 # Weight-like files outside the HF naming, named in the "no weights" error so the user sees why.
 OTHER_WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
@@ -66,13 +67,7 @@ def _read_config(path: Path) -> dict[str, Any]:
             f"{path} has no config.json: not a Hugging Face checkpoint folder",
             hint="point `source.path` at the folder holding config.json (a GGUF file needs `source.kind: gguf`)",
         )
-    try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise UnsupportedModelError(f"{config_path} is not valid JSON: {err}") from err
-    if not isinstance(config, dict):
-        raise UnsupportedModelError(f"{config_path} holds a {type(config).__name__}, not a JSON object")
-    return config
+    return read_json_object(config_path)
 
 
 def _architecture(path: Path, config: dict[str, Any]) -> str:

@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, UnsupportedModelError
 
 _CHUNK = 1 << 20
 
@@ -51,3 +51,14 @@ def read_jsonl(path: Path) -> list[tuple[str, dict[str, Any]]]:
             raise ConfigError(f"{where}: each line must be a JSON object, got {type(record).__name__}")
         records.append((where, record))
     return records
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON file that must hold one object (a checkpoint's or an engine's config.json)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise UnsupportedModelError(f"{path} is not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise UnsupportedModelError(f"{path} holds a {type(data).__name__}, not a JSON object")
+    return data

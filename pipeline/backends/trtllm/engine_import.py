@@ -13,7 +13,6 @@ folder with the tokenizer of the config's checkpoint, as a build would leave the
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,7 @@ from pipeline.errors import ConfigError, MissingArtifactError, PipelineError, Un
 from pipeline.runtime.engine_config import TOKENIZER_DIR
 from pipeline.sources.local import TOKENIZER_SOURCES
 from pipeline.sources.tokenizer import copy_tokenizer
-from pipeline.util.files import link_or_copy
+from pipeline.util.files import link_or_copy, read_json_object
 
 ENGINE_CONFIG = "config.json"
 _RANK_FILE = re.compile(r"^rank(\d+)\.engine$")
@@ -75,12 +74,7 @@ def _read_config(path: Path) -> dict[str, Any]:
             f"{path} has no {ENGINE_CONFIG}: not a trtllm-build output folder",
             hint="Pass the folder given to trtllm-build as --output_dir.",
         )
-    try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise UnsupportedModelError(f"{config_path} is not valid JSON ({err})") from None
-    if not isinstance(config, dict):
-        raise UnsupportedModelError(f"{config_path} holds a {type(config).__name__}, not a JSON object")
+    config = read_json_object(config_path)
     if "builder_config" in config and "build_config" not in config:
         raise UnsupportedModelError(
             f"{config_path} has the layout of engines from before TensorRT-LLM 0.8 (builder_config)",
