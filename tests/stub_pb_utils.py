@@ -136,6 +136,14 @@ def get_output_tensor_by_name(response: InferenceResponse, name: str) -> Tensor 
     return next((t for t in response.output_tensors() if t.name() == name), None)
 
 
+model_dir = ""  # what get_model_dir() answers: a test that loads a model sets it (monkeypatch.setattr)
+
+
+def get_model_dir() -> str:
+    """The folder of the model.py Triton loaded (its version folder)."""
+    return model_dir
+
+
 def using_decoupled_model_transaction_policy(model_config: dict[str, Any]) -> bool:
     return bool(model_config.get("model_transaction_policy", {}).get("decoupled", False))
 

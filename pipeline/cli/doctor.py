@@ -96,8 +96,7 @@ def _trtllm_pytorch_backend(trtllm: env.Probe, gpus: env.Probe) -> dict[str, Any
     """Serving needs TensorRT-LLM's release line and a GPU; building does not (nothing is compiled and
     ModelOpt quantizes on the CPU), so a build can be made here and served elsewhere."""
     reasons = [r for r in (trtllm.reason, gpus.reason) if r]
-    pinned_line = pytorch_route.PINNED.rsplit(".", 1)[0]
-    if trtllm.value is not None and not str(trtllm.value).startswith(f"{pinned_line}."):
+    if trtllm.value is not None and not pytorch_route.is_pinned_release(str(trtllm.value)):
         reasons.append(
             f"TensorRT-LLM {trtllm.value} is installed; this route is written for {pytorch_route.PINNED} "
             f"({pytorch_route.PINNED_CONTAINER})"

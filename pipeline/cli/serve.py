@@ -27,7 +27,8 @@ DEFAULT_CONFIG = "build_configs/smollm2-135m.yaml"
 
 @dataclass(frozen=True)
 class _TrtllmBuild:
-    """What serving a TensorRT-LLM repository needs besides the folder: its build config and engine."""
+    """What serving a TensorRT-LLM repository (backend trtllm or trtllm_pytorch) needs besides the folder: its
+    build config and engine (trtllm_pytorch: the checkpoint)."""
 
     cfg: BuildConfig
     engine_dir: Path
@@ -64,15 +65,17 @@ def _from_repository(path: Path, starting: bool) -> tuple[ServerOptions, _Trtllm
             f"{path} is not a Triton model repository (no */config.pbtxt)",
             hint="Pass a build config, or the model_repo folder `llmpipe package` wrote.",
         )
-    options = ServerOptions(model_repository=path.resolve())
-    if not _serves_tensorrt_llm(path):
-        return options, None
-    if starting:
-        _check_backend_available(path)
     from pipeline.artifacts import MANIFEST_NAME, read_manifest
     from pipeline.config.build_config import build_config_from_dict
 
+    options = ServerOptions(model_repository=path.resolve())
     manifest = read_manifest(path)
+    # A trtllm_pytorch repository's model is a Python one: only its manifest tells it from a torch one.
+    llmapi = manifest is not None and manifest.facts.get("backend") == "trtllm_pytorch"
+    if not llmapi and not _serves_tensorrt_llm(path):
+        return options, None
+    if starting and not llmapi:
+        _check_backend_available(path)
     recorded = manifest.facts.get("build_config") if manifest is not None else None
     if manifest is None or not recorded:
         raise ServingError(
@@ -102,6 +105,7 @@ def _from_config(
         click.echo(f"note: {problem} yet. {hint}", err=True)  # a dry run still shows the command
     if cfg.backend == "trtllm" and starting:
         _check_backend_available(repo)
+    served_by_trtllm = cfg.backend in ("trtllm", "trtllm_pytorch")
     s = cfg.serving
     options = ServerOptions(
         model_repository=repo.resolve(),
@@ -110,10 +114,24 @@ def _from_config(
         grpc_port=s.grpc_port,
         metrics_port=s.metrics_port,
     )
-    return options, _trtllm_build(cfg, manifest) if cfg.backend == "trtllm" else None
+    return options, _trtllm_build(cfg, manifest) if served_by_trtllm else None
 
 
-def _launch_for(cfg: BuildConfig) -> TrtllmLaunch:
+def _launch_for(cfg: BuildConfig) -> TrtllmLaunch | None:
+    """The mpirun launch of a trtllm repository; None for trtllm_pytorch, which runs one plain tritonserver
+    whatever its tp*pp: the LLM API in the model's stub process starts its own tp*pp MPI workers.
+
+    Upstream: tensorrtllm_backend:docs/llmapi.md@c75a081 sets tensor and pipeline parallelism in model.yaml and
+    launches with launch_triton_server.py's default --world_size 1; the llmapi model.py
+    (NVIDIA/TensorRT-LLM:triton_backend/all_models/llmapi/tensorrt_llm/1/model.py@044a90d) builds its own MPI
+    session only when tritonserver runs in an MPI world of several ranks, else LLM(**args) spawns the
+    workers; TensorRT-LLM's test of the model starts tp 1 with --no-mpi (a plain tritonserver), and uses
+    trtllm-llmapi-launch under mpirun, its multi-node launcher, for tp 4
+    (tests/integration/defs/triton_server/test_triton_llmapi.py@222982d). Not --disable-auto-complete-config,
+    which that launcher passes: the model hands Triton model.yaml's triton_config through auto_complete_config.
+    """
+    if cfg.backend != "trtllm":
+        return None
     from pipeline.backends.trtllm import env
 
     found = env.gpus().value
@@ -122,7 +140,13 @@ def _launch_for(cfg: BuildConfig) -> TrtllmLaunch:
 
 def _preflight(build: _TrtllmBuild) -> None:
     """Each engine the repository serves (a draft-target build's draft too) against this machine's runtime
-    and GPUs, and its config's features against its build flags, before any process starts."""
+    and GPUs, and its config's features against its build flags, before any process starts; a trtllm_pytorch
+    build: TensorRT-LLM's release, the GPUs and the llmapi model the repository runs."""
+    if build.cfg.backend == "trtllm_pytorch":
+        from pipeline.backends.trtllm_pytorch.serve_checks import preflight_serve as preflight_llmapi
+
+        preflight_llmapi(build.cfg)
+        return
     from pipeline.backends.trtllm.guards import preflight_serve
     from pipeline.config.workdir import draft_engine_dir
 
@@ -191,12 +215,17 @@ def serve(
     TensorRT-LLM / TensorRT versions that built it, the GPU architecture, and the build flags the config's
     runtime features need.
 
+    A trtllm_pytorch repository (TensorRT-LLM's llmapi model) runs in one tritonserver whatever its tp*pp:
+    the LLM API starts its own MPI workers on the GPUs. It is checked first for TensorRT-LLM of the pinned
+    release, GPUs that run the checkpoint's format, and the llmapi model.py of NVIDIA's serving image.
+
     \b
     Examples:
       llmpipe serve build_configs/smollm2-135m.yaml
       llmpipe serve build/tiny-llama/model_repo --http-port 9000 --grpc-port 9001 --metrics-port 9002
       llmpipe serve build_configs/smollm2-135m.yaml --dry-run
       llmpipe serve build_configs/llama3-8b-int4-awq-tp2.yaml --dry-run   # the mpirun command
+      llmpipe serve build_configs/smollm2-135m-trtllm-pytorch-fp8.yaml --dry-run
     \b
     Then, from another terminal:
       llmpipe generate "Write a haiku about GPUs" --stream
@@ -219,7 +248,7 @@ def serve(
     )
     server = TritonServer(options, ready_timeout_s=ready_timeout, echo_log=verbose)
     if dry_run:
-        _print_plan(server)
+        _print_plan(server, nvidia=trtllm_build is not None)
         return
     if trtllm_build is not None:
         _preflight(trtllm_build)
@@ -244,15 +273,16 @@ def serve(
     click.echo("tritonserver stopped.", err=True)
 
 
-def _print_plan(server: TritonServer) -> None:
+def _print_plan(server: TritonServer, nvidia: bool) -> None:
     """The command (with the variables it adds to the environment) that would start the server. A
-    TensorRT-LLM launch shows NVIDIA's tritonserver (the one on PATH, else the container's path) and is not
-    checked against the engine: that needs the runtime, which serving checks first."""
+    TensorRT-LLM repository (`nvidia`) shows NVIDIA's tritonserver (the one on PATH, else the container's
+    path) and is not checked against the engine: that needs the runtime, which serving checks first."""
     options = server.options
-    if options.trtllm is not None:
+    if nvidia:
         binary = Path(shutil.which("tritonserver") or CONTAINER_TRITONSERVER)
         command = server_command(binary, options, None, server.shm_prefix)
-        env = [f"{key}={value}" for key, value in options.trtllm.env.items()]
+        added = options.trtllm.env if options.trtllm is not None else {}
+        env = [f"{key}={value}" for key, value in added.items()]
     else:
         install = find_tritonserver()
         backends = Path("<run dir>/backends") if install.bundled else None
@@ -262,11 +292,18 @@ def _print_plan(server: TritonServer) -> None:
 
 def _ready_banner(server: TritonServer, seconds: float) -> str:
     http = server.http_url
+    if (server.options.model_repository / "ensemble").is_dir():
+        model = "ensemble"
+        attempt = f'llmpipe generate "Hello" --url {server.grpc_url} --stream'
+    else:  # the llmapi interface: one model, tensorrt_llm, with upstream's sampling_param_* inputs
+        model = "tensorrt_llm"
+        request = '{"text_input": "Hello", "sampling_param_max_tokens": 32}'
+        attempt = f"curl -s http://{http}/v2/models/{model}/generate -d '{request}'"
     return (
         f"ready in {seconds:.1f}s: {server.options.model_repository}\n"
-        f"  HTTP     http://{http}   (POST /v2/models/ensemble/generate, /generate_stream)\n"
+        f"  HTTP     http://{http}   (POST /v2/models/{model}/generate, /generate_stream)\n"
         f"  gRPC     {server.grpc_url}\n"
         f"  metrics  {server.metrics_url}\n"
-        f'  try:     llmpipe generate "Hello" --url {server.grpc_url} --stream\n'
+        f"  try:     {attempt}\n"
         "Press Ctrl-C to stop."
     )

@@ -17,7 +17,12 @@ def run_stages(cfg: BuildConfig, specs: tuple[StageSpec, ...], force: bool, dry_
             for line in _describe(cfg, spec):
                 click.echo(f"  [{index}/{len(specs)}] {spec.name}: {line}")
         return
-    run_chain(cfg, specs, force=force, report=lambda line: click.echo(line, err=True))
+    results = run_chain(cfg, specs, force=force, report=lambda line: click.echo(line, err=True))
+    if "package" in results:
+        from pipeline.stages.package import serving_lines
+
+        for line in serving_lines(cfg, results["package"].dir):
+            click.echo(line, err=True)
 
 
 def _describe(cfg: BuildConfig, spec: StageSpec) -> list[str]:

@@ -78,6 +78,12 @@ GPU_RANGE_FOR_QUANT: dict[str, tuple[int, int | None]] = {
 GPU_RANGE_FOR_KV: dict[str, tuple[int, int | None]] = {"auto": (80, None), "fp8": (80, None)}
 
 
+def is_pinned_release(version: str) -> bool:
+    """Whether installed TensorRT-LLM `version` is the pinned release line (a patch release of it counts as
+    it, as on the engine route)."""
+    return version.split(".")[:2] == PINNED.split(".")[:2]
+
+
 def runs_on(gpu_range: tuple[int, int | None], sm: int) -> bool:
     low, high = gpu_range
     return low <= sm and (high is None or sm <= high)

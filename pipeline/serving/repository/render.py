@@ -18,10 +18,13 @@ TensorRT-LLM's draft-target speculation (trtllm, speculative.mode=draft_model) r
 engine is served as `tensorrt_llm_draft` (the tensorrt_llm template, like tensorrtllm_backend's copy of it)
 and the BLS names it in `tensorrt_llm_draft_model_name`. The torch engine drafts for itself: no extra model.
 
-llmapi (templates/llmapi/<model>/, TensorRT-LLM's all_models/llmapi; torch backend only):
+llmapi (templates/llmapi/<model>/, TensorRT-LLM's all_models/llmapi), torch backend:
 
     tensorrt_llm/config.pbtxt, tensorrt_llm/1/{model.py, model.yaml, engine/}   (engine hard-linked in, its
                                                                                   tokenizer inside)
+
+The trtllm_pytorch backend's llmapi repository takes the same config.pbtxt (without parameters, as upstream's)
+and is written by trtllm_pytorch.py beside this module.
 """
 
 from __future__ import annotations
@@ -51,6 +54,13 @@ MODEL_YAML = "model.yaml"
 CANCELLATION_CHECK_PERIOD_MS = 50
 ENGINE_SUBDIR = "engine"
 TOKENIZER_SUBDIR = "tokenizer"
+# Who answers the llmapi model's tensors, in its config.pbtxt's header (the llmapi backends).
+LLMAPI_ENGINE_COMMENT = {
+    "torch": "# Served by llmpipe's torch engine. image_url and lora_* are refused with an error naming the input:\n"
+    "# the torch engine serves text-only models without adapters.",
+    "trtllm_pytorch": "# Served by TensorRT-LLM's own llmapi model.py from the serving image (1/model.py loads it) on the\n"
+    "# checkpoint in 1/checkpoint.",
+}
 
 
 def templates_dir() -> Path:
@@ -144,12 +154,15 @@ def template_values(cfg: BuildConfig, engine_param_path: Path | None = None) -> 
         "max_seq_len": str(engine.max_seq_len),
         "engine_subdir": ENGINE_SUBDIR,
         "cancellation_check_period_ms": str(CANCELLATION_CHECK_PERIOD_MS),
+        "llmapi_engine_comment": LLMAPI_ENGINE_COMMENT.get(cfg.backend, ""),
     }
     if cfg.backend == "trtllm":
         from pipeline.backends.trtllm.triton_params import tensorrt_llm_header, tensorrt_llm_parameters
 
         values.update(tensorrt_llm_header(cfg))
         parameters = tensorrt_llm_parameters(cfg, engine_param_path or Path(ENGINE_SUBDIR))
+    elif cfg.backend == "trtllm_pytorch":
+        parameters = {}  # as upstream's llmapi config.pbtxt: model.yaml carries every setting
     else:
         parameters = torch_parameters(cfg)
     values["tensorrt_llm_parameters"] = parameters_block(parameters)
