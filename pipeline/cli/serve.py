@@ -121,14 +121,15 @@ def _launch_for(cfg: BuildConfig) -> TrtllmLaunch | None:
     """The mpirun launch of a trtllm repository; None for trtllm_pytorch, which runs one plain tritonserver
     whatever its tp*pp: the LLM API in the model's stub process starts its own tp*pp MPI workers.
 
-    Upstream: tensorrtllm_backend:docs/llmapi.md@c75a081 sets tensor and pipeline parallelism in model.yaml and
-    launches with launch_triton_server.py's default --world_size 1; the llmapi model.py
-    (NVIDIA/TensorRT-LLM:triton_backend/all_models/llmapi/tensorrt_llm/1/model.py@044a90d) builds its own MPI
-    session only when tritonserver runs in an MPI world of several ranks, else LLM(**args) spawns the
-    workers; TensorRT-LLM's test of the model starts tp 1 with --no-mpi (a plain tritonserver), and uses
-    trtllm-llmapi-launch under mpirun, its multi-node launcher, for tp 4
-    (tests/integration/defs/triton_server/test_triton_llmapi.py@222982d). Not --disable-auto-complete-config,
-    which that launcher passes: the model hands Triton model.yaml's triton_config through auto_complete_config.
+    Upstream: triton-inference-server/tensorrtllm_backend:docs/llmapi.md@c75a081 sets tensor and pipeline
+    parallelism in model.yaml and launches with launch_triton_server.py's default --world_size 1; the llmapi
+    model.py (NVIDIA/TensorRT-LLM:triton_backend/all_models/llmapi/tensorrt_llm/1/model.py@044a90d) builds an
+    MPI session of its own only when tritonserver runs in an MPI world of several ranks, else LLM(**args)
+    spawns the workers; TensorRT-LLM's test of the model starts tp 1 with --no-mpi (a plain tritonserver) and
+    tp 4 with trtllm-llmapi-launch under mpirun, its multi-node launcher
+    (NVIDIA/TensorRT-LLM:tests/integration/defs/triton_server/test_triton_llmapi.py@222982d). Without the
+    --disable-auto-complete-config that launcher passes: the model hands Triton model.yaml's triton_config
+    through auto_complete_config.
     """
     if cfg.backend != "trtllm":
         return None
