@@ -3,13 +3,16 @@ the statistics of every linear layer's inputs, collected by running the float32 
 transformer block at a time (so only one block's activations are ever held).
 
 `calibration.dataset: builtin` is pipeline/data/calib.jsonl (written for llmpipe, Apache-2.0; see
-pipeline/data/calib.README.md), disjoint from the validation eval set. Any other value is a file: JSONL
-records `{"text": "..."}` or `{"messages": [{"role": ..., "content": ...}, ...]}` (rendered with the
-tokenizer's chat template), or plain text with one sample per blank-line-separated paragraph.
+pipeline/data/calib.README.md), disjoint from the validation eval set. Any other value is a file or a folder:
+JSONL records `{"text": "..."}` or `{"messages": [{"role": ..., "content": ...}, ...]}` (rendered with the
+tokenizer's chat template), a `.json` file holding a list of such records (or of strings), or plain text
+with one sample per blank-line-separated paragraph; a folder contributes its `.jsonl`, `.json` and `.txt`
+files in name order.
 """
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -46,22 +49,75 @@ def dataset_path(dataset: str, field: str = CALIBRATION_FIELD) -> Path:
     return BUILTIN_DATASETS[field] if dataset == "builtin" else Path(dataset).expanduser()
 
 
-def load_records(dataset: str, field: str = CALIBRATION_FIELD) -> list[Record]:
-    """The records of `dataset`, the value of config `field` ("builtin" or a file)."""
+# The files a dataset folder contributes, by suffix.
+FOLDER_SUFFIXES = (".jsonl", ".json", ".txt")
+
+
+def dataset_files(dataset: str, field: str = CALIBRATION_FIELD) -> list[Path]:
+    """The files `dataset` (the value of config `field`) reads: the file itself, or a folder's files with
+    FOLDER_SUFFIXES in name order (hidden ones skipped)."""
     path = dataset_path(dataset, field)
-    if not path.is_file():
+    if path.is_file():
+        return [path]
+    hint = "use 'builtin', a JSONL/JSON file of records, plain text with blank lines between samples, or a folder of them"
+    if not path.is_dir():
+        raise ConfigError(f"{field}={dataset!r}: {path} is not a file or folder", hint=hint)
+    files = sorted(
+        p
+        for p in path.iterdir()
+        if p.is_file() and p.suffix in FOLDER_SUFFIXES and not p.name.startswith(".")
+    )
+    if not files:
         raise ConfigError(
-            f"{field}={dataset!r}: {path} is not a file",
-            hint="use 'builtin' or a JSONL file of records, or plain text with blank lines between samples",
+            f"{field}={dataset!r}: the folder {path} has no {', '.join(FOLDER_SUFFIXES)} file", hint=hint
         )
-    records: list[Record]
-    if path.suffix == ".jsonl":
-        records = [_parse_record(record, where) for where, record in read_jsonl(path)]
-    else:
-        text = path.read_text(encoding="utf-8")
-        records = [part.strip() for part in text.split("\n\n") if part.strip()]
+    return files
+
+
+def data_files(name: str, dataset: str, field: str = CALIBRATION_FIELD) -> dict[str, Path]:
+    """{key: file} for a stage's `data_files` (their contents key its reuse): `name` for a single file,
+    `name/<file name>` for each file of a folder."""
+    path = dataset_path(dataset, field)
+    if not path.is_dir():
+        return {name: path}
+    return {f"{name}/{file.name}": file for file in dataset_files(dataset, field)}
+
+
+def load_records(dataset: str, field: str = CALIBRATION_FIELD) -> list[Record]:
+    """The records of `dataset`, the value of config `field` ("builtin", a file or a folder)."""
+    records = [record for path in dataset_files(dataset, field) for record in _file_records(path)]
     if not records:
-        raise ConfigError(f"{field}={dataset!r}: {path} holds no samples")
+        raise ConfigError(f"{field}={dataset!r}: {dataset_path(dataset, field)} holds no samples")
+    return records
+
+
+def _file_records(path: Path) -> list[Record]:
+    if path.suffix == ".jsonl":
+        return [_parse_record(record, where) for where, record in read_jsonl(path)]
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json":
+        return _json_records(path, text)
+    return [part.strip() for part in text.split("\n\n") if part.strip()]
+
+
+def _json_records(path: Path, text: str) -> list[Record]:
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
+    if not isinstance(items, list):
+        raise ConfigError(
+            f"{path}: a .json calibration file must hold a list of records, got {type(items).__name__}"
+        )
+    records: list[Record] = []
+    for index, item in enumerate(items):
+        where = f"{path}[{index}]"
+        if isinstance(item, str):
+            records.append(item)
+        elif isinstance(item, dict):
+            records.append(_parse_record(item, where))
+        else:
+            raise ConfigError(f"{where}: a record must be a string or an object, got {type(item).__name__}")
     return records
 
 

@@ -116,14 +116,15 @@ def quantize(cfg: BuildConfig, ckpt_dir: Path, out_dir: Path, hf_dir: Path | Non
 
 def data_files(cfg: BuildConfig) -> dict[str, Path]:
     """The text files a calibrated or tuned build reads: their contents key the stage's reuse."""
-    from pipeline.quantize.calibration import TUNING_TEXT_FIELD, dataset_path
+    from pipeline.quantize.calibration import TUNING_TEXT_FIELD
+    from pipeline.quantize.calibration import data_files as dataset_data_files
 
     q = cfg.quantization
-    files = {}
+    files: dict[str, Path] = {}
     if _is_activation_aware(q) or q.tune.enabled:
-        files["calibration"] = dataset_path(q.calibration.dataset)
+        files |= dataset_data_files("calibration", q.calibration.dataset)
     if q.tune.enabled and q.tune.dataset is not None:
-        files["tuning_text"] = dataset_path(q.tune.dataset, TUNING_TEXT_FIELD)
+        files |= dataset_data_files("tuning_text", q.tune.dataset, TUNING_TEXT_FIELD)
     return files
 
 

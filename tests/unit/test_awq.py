@@ -293,6 +293,29 @@ def test_user_calibration_files(tmp_path: Path) -> None:
         load_records(str(tmp_path / "missing.jsonl"))
 
 
+def test_user_calibration_json_files_and_folders(tmp_path: Path) -> None:
+    listed = tmp_path / "c.json"
+    listed.write_text(
+        json.dumps(["plain", {"text": "one"}, {"messages": [{"role": "user", "content": "two"}]}])
+    )
+    assert load_records(str(listed)) == ["plain", "one", [{"role": "user", "content": "two"}]]
+    (tmp_path / "obj.json").write_text('{"text": "not a list"}')
+    with pytest.raises(ConfigError, match="obj.json: a .json calibration file must hold a list"):
+        load_records(str(tmp_path / "obj.json"))
+    (tmp_path / "num.json").write_text("[1]")
+    with pytest.raises(ConfigError, match=r"num.json\[0\]: a record must be a string or an object"):
+        load_records(str(tmp_path / "num.json"))
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    with pytest.raises(ConfigError, match="has no .jsonl, .json, .txt file"):
+        load_records(str(folder))
+    (folder / "b.txt").write_text("second\n\nthird\n")
+    (folder / "a.jsonl").write_text('{"text": "first"}\n')
+    (folder / ".hidden.txt").write_text("skipped")
+    (folder / "README.md").write_text("skipped")
+    assert load_records(str(folder)) == ["first", "second", "third"]  # files in name order
+
+
 def test_block_walk_sees_what_the_full_model_feeds_each_linear(tiny_llama_dir: Path) -> None:
     config = CalibrationSection(num_samples=3, max_seq_length=64, seed=0)
     tokens, walk = layer_input_stats(tiny_llama_dir, config)
