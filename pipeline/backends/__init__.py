@@ -21,6 +21,7 @@ _STEPS: dict[str, dict[str, str]] = {
     "trtllm": {
         "convert": "pipeline.backends.trtllm.convert:convert",
         "quantize": "pipeline.backends.trtllm.quantize:quantize",
+        "quantize_data_files": "pipeline.backends.trtllm.quantize:data_files",
         "build": "pipeline.backends.trtllm.build:build",
         "plan": "pipeline.backends.trtllm.plan:plan",
     },

@@ -24,11 +24,14 @@ def build(config: str, overrides: tuple[str, ...], force: bool, dry_run: bool, u
       llmpipe build build_configs/llama3-8b-int4-awq-tp2.yaml --dry-run
     """
     cfg = load_build_config(config, overrides)
+    specs = stages_until(until)
     if cfg.backend == "trtllm" and not dry_run:
+        from pipeline.backends.trtllm.api import stages_need_trtllm
         from pipeline.backends.trtllm.env import require_trtllm
 
-        require_trtllm()  # stop before a long Hub download on a host that cannot build anyway
-    run_stages(cfg, stages_until(until), force, dry_run)
+        if stages_need_trtllm(cfg, (spec.name for spec in specs)):
+            require_trtllm()  # stop before a long Hub download on a host that cannot build anyway
+    run_stages(cfg, specs, force, dry_run)
 
 
 def _stage_command(spec: StageSpec) -> click.Command:

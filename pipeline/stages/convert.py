@@ -19,8 +19,8 @@ def produce(cfg: BuildConfig, inputs: dict[str, StageInput], out: Path) -> dict[
 
 def describe(cfg: BuildConfig, out: Path) -> list[str]:
     return [
-        f"{cfg.backend}: convert the HF checkpoint (dtype {cfg.dtype}, tp {cfg.parallel.tp_size} "
-        f"pp {cfg.parallel.pp_size}) -> {out}/config.json + rank*.safetensors"
+        f"{cfg.backend}: convert the HF checkpoint for the backend (dtype {cfg.dtype}, tp {cfg.parallel.tp_size} "
+        f"pp {cfg.parallel.pp_size}) -> {out}"
     ]
 
 

@@ -1,11 +1,12 @@
-"""convert / quantize / build of the trtllm backend.
+"""convert / build of the trtllm backend, and the quantize step's routing.
 
-convert and quantize run against tests/stand_in_tensorrt_llm, a package with TensorRT-LLM 1.2's signatures
-that records calls (the real one cannot be installed here): the tests assert the exact calls. build runs
-tests/contract/fake_trtllm_build.py as `trtllm-build` on PATH: TensorRT-LLM 1.1.0's recorded command line and
-outputs (tests/contract/upstream/), to check the orchestration around it: the guards, the streamed and kept
-log, the ONNX check, the manifest facts, and that what llmpipe reads of config.json is upstream's layout. Without TensorRT-LLM every step
-stops at once with what to install, while the plan still prints.
+convert runs against tests/stand_in_tensorrt_llm, a package with TensorRT-LLM 1.x's signatures that records
+calls (the real one cannot be installed here): the tests assert the exact calls for the modes TensorRT-LLM
+applies itself; the calibrated formats go through the real ModelOpt (tests/integration/test_modelopt_quantize.py).
+build runs tests/contract/fake_trtllm_build.py as `trtllm-build` on PATH: TensorRT-LLM 1.1.0's recorded command
+line and outputs (tests/contract/upstream/), to check the orchestration around it: the guards, the streamed and
+kept log, the ONNX check, the manifest facts, and that what llmpipe reads of config.json is upstream's layout.
+Without TensorRT-LLM every step that needs it stops at once with what to install, while the plan still prints.
 """
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ import pytest
 from pipeline.backends.trtllm import build as build_step
 from pipeline.backends.trtllm import build_cmd, env, guards
 from pipeline.backends.trtllm.build_cmd import NETWORK_DIRNAME
+from pipeline.backends.trtllm.api import stages_need_trtllm
 from pipeline.backends.trtllm.convert import convert
 from pipeline.backends.trtllm.plan import plan
 from pipeline.backends.trtllm.quantize import quantize
 from pipeline.config.build_config import BuildConfig
 from pipeline.errors import BackendUnavailableError, ConfigError, ServingError
-from pipeline.quantize.calibration import load_records
 from tests.contract import fake_trtllm_build, upstream_facts
 from tests.contract.render import CONFIG_DIR, load
 from tests.contract.upstream_facts import RELEASE, key_paths, layout_children
@@ -75,14 +76,44 @@ def calls(module: Any, name: str) -> list[dict[str, Any]]:
 # ---- without TensorRT-LLM -------------------------------------------------------------------------------
 def test_steps_stop_at_once_with_what_to_install(tmp_path: Path, hf_dir: Path) -> None:
     _drop_trtllm_modules()
-    cfg = make_cfg()
-    for step in (lambda: convert(cfg, hf_dir, tmp_path), lambda: quantize(cfg, tmp_path, tmp_path, hf_dir=hf_dir),
-                 lambda: build_step.build(cfg, tmp_path, tmp_path)):  # fmt: skip
+    for cfg, step in ((make_cfg(), convert), (make_cfg(quantization={"mode": "int8_wo"}), convert),
+                      (make_cfg(), build_step.build)):  # fmt: skip
         with pytest.raises(BackendUnavailableError) as info:
-            step()
+            step(cfg, hf_dir, tmp_path)
         message = str(info.value)
         assert "\n" not in message
         assert "pip install llmpipe[trtllm]" in message and "tritonserver:25.12-trtllm-python-py3" in message
+
+
+def test_convert_for_a_modelopt_format_needs_no_tensorrt_llm(tmp_path: Path, hf_dir: Path) -> None:
+    _drop_trtllm_modules()
+    (hf_dir / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+        "intermediate_size": 128}))  # fmt: skip
+    out = tmp_path / "ckpt"
+    facts = convert(make_cfg(quantization={"mode": "fp8", "kv_cache_dtype": "fp8"}), hf_dir, out)
+    assert "tensorrt_llm" not in sys.modules
+    # no checkpoint: quantize exports it from the HF checkpoint; the tokenizer travels on from here
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == [
+        "tokenizer",
+        "tokenizer/tokenizer.json",
+    ]
+    assert facts["route"] == "modelopt" and facts["tokenizer_files"] == ["tokenizer.json"]
+    assert not stages_need_trtllm(make_cfg(quantization={"mode": "nvfp4"}), ["fetch", "convert", "quantize"])
+    assert stages_need_trtllm(make_cfg(quantization={"mode": "nvfp4"}), ["quantize", "engine"])
+    assert stages_need_trtllm(make_cfg(quantization={"mode": "int8_wo"}), ["convert"])
+
+
+def test_convert_checks_the_group_size_before_quantize_loads_anything(tmp_path: Path, hf_dir: Path) -> None:
+    (hf_dir / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 576, "num_attention_heads": 9,
+        "head_dim": 64, "intermediate_size": 1536}))  # fmt: skip
+    cfg = make_cfg(quantization={"mode": "int4_awq", "group_size": 128})
+    with pytest.raises(
+        ConfigError, match=r"quantization.group_size=128 does not divide the model's hidden_size=576"
+    ) as info:
+        convert(cfg, hf_dir, tmp_path / "ckpt")
+    assert info.value.hint == "group sizes that fit: 32, 64"
 
 
 def test_plan_works_without_tensorrt_llm(tmp_path: Path) -> None:
@@ -90,11 +121,37 @@ def test_plan_works_without_tensorrt_llm(tmp_path: Path) -> None:
         make_cfg(quantization={"mode": "int4_awq"}, parallel={"tp_size": 2}), tmp_path / "build" / "s"
     )
     text = "\n".join(lines)
-    assert "from_hugging_face" in text and "LLaMAForCausalLM.quantize" in text
+    assert "no TensorRT-LLM conversion for mode=int4_awq" in text
+    assert "mtq.quantize(model, INT4_AWQ_CFG, weight blocks of 128)" in text
+    assert (
+        "export_tensorrt_llm_checkpoint(model, 'llama', auto (float32 -> float16), inference_tensor_parallel=2"
+        in text
+    )
+    assert "quant_algo W4A16_AWQ" in text and "modelopt_state.pth" in text
     assert "trtllm-build \\" in text and "--workers 2" in text
     assert "rank0.engine, rank1.engine" in text
     assert "gpt_model_type=inflight_fused_batching" in text
     assert "cannot run it: TensorRT-LLM is not installed" in text
+
+
+def test_plan_of_the_quantize_step_checks_the_model_shapes(tmp_path: Path, hf_dir: Path) -> None:
+    (hf_dir / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen2ForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+        "intermediate_size": 128, "dtype": "bfloat16"}))  # fmt: skip
+    cfg = make_cfg(
+        source={"kind": "local", "path": str(hf_dir)}, quantization={"mode": "w4a8_awq", "group_size": 64}
+    )
+    text = "\n".join(plan(cfg, tmp_path, "quantize"))
+    assert "export_tensorrt_llm_checkpoint(model, 'qwen', bfloat16," in text
+    assert "cannot run it" not in text  # quantize runs without TensorRT-LLM
+    with pytest.raises(
+        ConfigError, match="group_size=64 does not divide the model's hidden_size=64 / parallel.tp_size=2"
+    ):
+        plan(
+            cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"tp_size": 2})}),
+            tmp_path,
+            "quantize",
+        )
 
 
 # ---- convert ------------------------------------------------------------------------------------------------
@@ -125,10 +182,26 @@ def test_convert_applies_weight_only_itself(trtllm: Any, hf_dir: Path, tmp_path:
     assert call["quant_config"].quant_algo == trtllm.quantization.QuantAlgo.W4A16
 
 
-def test_convert_leaves_calibrated_modes_to_quantize(trtllm: Any, hf_dir: Path, tmp_path: Path) -> None:
-    convert(make_cfg(quantization={"mode": "int8_wo", "kv_cache_dtype": "int8"}), hf_dir, tmp_path)
+def test_convert_applies_fp8_rowwise_with_convert_checkpoints_clamp(
+    trtllm: Any, hf_dir: Path, tmp_path: Path
+) -> None:
+    # convert_checkpoint.py --use_fp8_rowwise: from_hugging_face with FP8_PER_CHANNEL_PER_TOKEN, clamp +-1200
+    convert(make_cfg(quantization={"mode": "fp8_pc_pt"}), hf_dir, tmp_path)
     (call,) = calls(trtllm, "LLaMAForCausalLM.from_hugging_face")
-    assert call["quant_config"].quant_algo is None
+    qc = call["quant_config"]
+    assert (qc.quant_algo, qc.kv_cache_quant_algo, qc.clamp_val) == (
+        trtllm.quantization.QuantAlgo.FP8_PER_CHANNEL_PER_TOKEN, None, [-1200.0, 1200.0])  # fmt: skip
+
+
+def test_a_quantized_kv_cache_over_a_convert_mode_is_refused(
+    trtllm: Any, hf_dir: Path, tmp_path: Path
+) -> None:
+    cfg = make_cfg(quantization={"mode": "int8_wo", "kv_cache_dtype": "int8"})
+    for step in (lambda: convert(cfg, hf_dir, tmp_path), lambda: quantize(cfg, tmp_path, tmp_path, hf_dir=hf_dir),
+                 lambda: plan(cfg, tmp_path)):  # fmt: skip
+        with pytest.raises(ConfigError, match="mode=int8_wo with quantization.kv_cache_dtype=int8"):
+            step()
+    assert not trtllm.CALLS
 
 
 def test_convert_maps_qwen2_to_its_class(trtllm: Any, hf_dir: Path, tmp_path: Path) -> None:
@@ -138,73 +211,15 @@ def test_convert_maps_qwen2_to_its_class(trtllm: Any, hf_dir: Path, tmp_path: Pa
 
 
 # ---- quantize -----------------------------------------------------------------------------------------------
-def test_quantize_int4_awq_tp2_through_modelopt(trtllm: Any, hf_dir: Path, tmp_path: Path) -> None:
-    cfg = make_cfg(dtype="float16", parallel={"tp_size": 2},
-                   quantization={"mode": "int4_awq", "group_size": 64,
-                                 "calibration": {"num_samples": 256, "max_seq_length": 1024}})  # fmt: skip
-    out = tmp_path / "q"
-    out.mkdir()
-    facts = quantize(cfg, tmp_path / "ckpt", out, hf_dir=hf_dir)
-    (call,) = calls(trtllm, "LLaMAForCausalLM.quantize")
-    assert (call["hf_model_dir"], call["output_dir"], call["dtype"]) == (str(hf_dir), str(out), "float16")
-    assert (call["mapping"].world_size, call["mapping"].tp_size, call["mapping"].pp_size) == (2, 2, 1)
-    qc = call["quant_config"]
-    assert (qc.quant_algo, qc.kv_cache_quant_algo, qc.group_size) == (
-        trtllm.quantization.QuantAlgo.W4A16_AWQ,
-        None,
-        64,
-    )
-    # builtin is the shipped calibration set, handed to ModelOpt as a local folder: nothing from a hub
-    shipped = load_records("builtin")
-    texts = [json.loads(r)["text"] for r in call["calib_records"]]
-    assert len(texts) == len(shipped) and texts[0] == shipped[0]
-    assert not Path(call["calib_dataset"]).exists()
-    assert (call["calib_batches"], call["calib_batch_size"], call["calib_max_seq_length"]) == (256, 1, 1024)
-    assert call["tokenizer_max_seq_length"] == 2048
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "rank0.safetensors", "rank1.safetensors"]
-    assert facts["quant_algo"] == "W4A16_AWQ" and facts["calib_samples"] == 256
-
-
-def test_quantize_fp8_with_fp8_kv_cache(trtllm: Any, hf_dir: Path, tmp_path: Path) -> None:
-    quantize(
-        make_cfg(quantization={"mode": "fp8", "kv_cache_dtype": "fp8"}),
-        tmp_path,
-        tmp_path / "q",
-        hf_dir=hf_dir,
-    )
-    (call,) = calls(trtllm, "LLaMAForCausalLM.quantize")
-    algo = trtllm.quantization.QuantAlgo
-    assert (call["quant_config"].quant_algo, call["quant_config"].kv_cache_quant_algo) == (algo.FP8, algo.FP8)
-
-
-def test_int8_kv_cache_calibrates_on_the_users_samples(trtllm: Any, hf_dir: Path, tmp_path: Path) -> None:
-    samples = tmp_path / "calib.jsonl"
-    samples.write_text(
-        '{"text": "first sample"}\n{"messages": [{"role": "user", "content": "second sample"}]}\n'
-    )
-    cfg = make_cfg(quantization={"kv_cache_dtype": "int8", "calibration": {"dataset": str(samples)}})
-    quantize(cfg, tmp_path, tmp_path / "q", hf_dir=hf_dir)
-    (call,) = calls(trtllm, "LLaMAForCausalLM.quantize")
-    assert call["quant_config"].quant_algo is None
-    assert call["quant_config"].kv_cache_quant_algo == trtllm.quantization.QuantAlgo.INT8
-    assert [json.loads(r)["text"] for r in call["calib_records"]] == ["first sample", "second sample"]
-    assert not Path(call["calib_dataset"]).exists()  # the scratch folder is removed afterwards
-
-
-def test_weight_only_passes_the_converted_checkpoint_through(trtllm: Any, tmp_path: Path) -> None:
+def test_weight_only_passes_the_converted_checkpoint_through(tmp_path: Path) -> None:
     ckpt, out = tmp_path / "ckpt", tmp_path / "q"
     ckpt.mkdir()
     (ckpt / "config.json").write_text("{}")
     (ckpt / "rank0.safetensors").write_bytes(b"x")
+    _drop_trtllm_modules()
     facts = quantize(make_cfg(quantization={"mode": "int8_wo"}), ckpt, out)
-    assert facts["pass_through"] and not trtllm.CALLS
+    assert facts["pass_through"] and "tensorrt_llm" not in sys.modules
     assert (out / "rank0.safetensors").read_bytes() == b"x"
-
-
-def test_quantize_lm_head_is_refused_on_this_path(trtllm: Any, hf_dir: Path, tmp_path: Path) -> None:
-    cfg = make_cfg(quantization={"mode": "fp8", "quantize_lm_head": True})
-    with pytest.raises(ConfigError, match="quantize_lm_head"):
-        quantize(cfg, tmp_path, tmp_path / "q", hf_dir=hf_dir)
 
 
 # ---- build ----------------------------------------------------------------------------------------------

@@ -3,23 +3,25 @@
 Signatures used (TensorRT-LLM 1.x, `tensorrt_llm/models/llama/model.py`, `examples/models/core/llama/
 convert_checkpoint.py`):
   Mapping(world_size=, rank=, tp_size=, pp_size=)
-  QuantConfig(quant_algo=, kv_cache_quant_algo=, group_size=, ...)
+  QuantConfig(quant_algo=, kv_cache_quant_algo=, group_size=, clamp_val=, ...)
   <ModelCls>.from_hugging_face(hf_model_or_dir, dtype='auto', mapping=None, quant_config=None, **kwargs)
   <model>.save_checkpoint(output_dir, save_config=True)
-  <ModelCls>.quantize(hf_model_dir, output_dir, dtype='auto', mapping=None, quant_config=None, *,
-                      calib_dataset=, calib_batches=, calib_batch_size=, calib_max_seq_length=,
-                      random_seed=, tokenizer_max_seq_length=)
+Only convert calls them, for the modes TensorRT-LLM applies without calibration; the calibrated formats go
+through ModelOpt (pipeline.quantize.modelopt), not TensorRT-LLM's `<ModelCls>.quantize`.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pipeline.backends.trtllm.env import require_trtllm
+from pipeline.config.build_config import BuildConfig
 from pipeline.errors import UnsupportedModelError
+from pipeline.quantize.modelopt.formats import uses_modelopt
 
 # HF architecture -> TensorRT-LLM model class (MODEL_MAP maps Mistral onto the Llama implementation).
 MODEL_CLASS_FOR_ARCHITECTURE: dict[str, str] = {
@@ -41,13 +43,31 @@ class TrtllmApi:
         return getattr(self.models, class_name)
 
     def make_quant_config(
-        self, quant_algo: str | None, kv_cache_quant_algo: str | None, group_size: int
+        self,
+        quant_algo: str | None,
+        kv_cache_quant_algo: str | None,
+        group_size: int,
+        clamp_val: list[float] | None = None,
     ) -> Any:
         return self.quant_config(
             quant_algo=None if quant_algo is None else self.quant_algo[quant_algo],
             kv_cache_quant_algo=None if kv_cache_quant_algo is None else self.quant_algo[kv_cache_quant_algo],
             group_size=group_size,
+            clamp_val=clamp_val,
         )
+
+
+def convert_needs_trtllm(cfg: BuildConfig) -> bool:
+    """Whether convert imports TensorRT-LLM: not for the formats ModelOpt produces from the HF checkpoint."""
+    q = cfg.quantization
+    return not uses_modelopt(q.mode, q.kv_cache_dtype)
+
+
+def stages_need_trtllm(cfg: BuildConfig, stages: Iterable[str]) -> bool:
+    """Whether running these stages imports TensorRT-LLM: the engine build always, convert for the modes it
+    applies itself, quantize never (ModelOpt runs without it)."""
+    names = set(stages)
+    return "engine" in names or ("convert" in names and convert_needs_trtllm(cfg))
 
 
 def load_api() -> TrtllmApi:

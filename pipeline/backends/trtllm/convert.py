@@ -1,9 +1,11 @@
 """convert (trtllm): HF checkpoint -> TensorRT-LLM unified checkpoint (config.json + rank{r}.safetensors).
 
-One `from_hugging_face` + `save_checkpoint` per rank, as TensorRT-LLM's convert_checkpoint.py does, with
-the tp/pp Mapping of the config. Weight-only modes (int8_wo/int4_wo) are applied here without calibration;
-calibrated modes and quantized KV caches are produced by the quantize step from the HF checkpoint, so this
-step then writes the unquantized checkpoint (the reference those modes are validated against).
+Modes TensorRT-LLM applies without calibration (none, int8_wo, int4_wo, fp8_pc_pt) are converted here with
+one `from_hugging_face` + `save_checkpoint` per rank, as its convert_checkpoint.py does, with the tp/pp Mapping
+of the config. The ModelOpt formats (fp8, int8_sq, int4_awq, w4a8_awq, nvfp4, a quantized KV cache) are
+calibrated and exported from the HF checkpoint by the quantize step, so for them this step needs no
+TensorRT-LLM: it checks the model's shapes against the format and carries the tokenizer on.
+Either way the tokenizer goes into `tokenizer/` (trtllm-build writes none; the engine folder carries it).
 """
 
 from __future__ import annotations
@@ -13,28 +15,46 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.backends.trtllm import guards
-from pipeline.backends.trtllm.api import check_unified_checkpoint, hf_architecture, load_api, model_class_name
-from pipeline.backends.trtllm.versions import WEIGHT_ONLY_MODES
+from pipeline.backends.trtllm.api import (
+    check_unified_checkpoint,
+    convert_needs_trtllm,
+    hf_architecture,
+    load_api,
+    model_class_name,
+)
 from pipeline.config.build_config import BuildConfig
+from pipeline.errors import ConfigError
+from pipeline.quantize.modelopt.formats import CONVERT_MODES, unsupported_reason
+from pipeline.quantize.modelopt.shapes import check_shapes, read_hf_config
 from pipeline.runtime.engine_config import TOKENIZER_DIR
 from pipeline.sources.tokenizer import copy_tokenizer
 
+# convert_checkpoint.py --use_fp8_rowwise sets this activation clamp unless the HF config carries its own
+# (NVIDIA/TensorRT-LLM:examples/models/core/llama/convert_checkpoint.py@fd96a08bdc489f41f139b295935b10ed43652fa1,
+# args_to_quant_config).
+FP8_ROWWISE_CLAMP = [-1200.0, 1200.0]
+
 
 def convert_quant_algo(cfg: BuildConfig) -> str | None:
-    """The quant_algo convert applies itself: weight-only without a quantized KV cache, else none."""
+    """The quant_algo convert applies itself: weight-only or FP8 rowwise, else none."""
     q = cfg.quantization
-    if q.mode in WEIGHT_ONLY_MODES and q.kv_cache_dtype == "auto":
-        return q.quant_algo
-    return None
+    return q.quant_algo if q.mode in CONVERT_MODES else None
 
 
 def convert(cfg: BuildConfig, hf_dir: Path, out_dir: Path) -> dict[str, Any]:
+    q = cfg.quantization
+    reason = unsupported_reason(q.mode, q.kv_cache_dtype)
+    if reason:
+        raise ConfigError(reason)
     guards.check_this_machine_supports(cfg)  # before conversion and calibration, not after them
+    if not convert_needs_trtllm(cfg):
+        return _for_modelopt(cfg, hf_dir, out_dir)
     api = load_api()
     class_name = model_class_name(hf_dir)
     model_cls = api.model_class(class_name)
     quant_algo = convert_quant_algo(cfg)
-    quant_config = api.make_quant_config(quant_algo, None, cfg.quantization.group_size)
+    clamp_val = FP8_ROWWISE_CLAMP if q.mode == "fp8_pc_pt" else None
+    quant_config = api.make_quant_config(quant_algo, None, q.group_size, clamp_val=clamp_val)
     tp, pp = cfg.parallel.tp_size, cfg.parallel.pp_size
     world = tp * pp
     for rank in range(world):
@@ -47,8 +67,6 @@ def convert(cfg: BuildConfig, hf_dir: Path, out_dir: Path) -> dict[str, Any]:
         del model
         gc.collect()
     files = check_unified_checkpoint(out_dir, world)
-    # trtllm-build writes no tokenizer; carried from here to the engine folder, which serving reads
-    tokenizer_files = copy_tokenizer(hf_dir, out_dir / TOKENIZER_DIR)
     return {
         "architecture": hf_architecture(hf_dir),
         "trtllm_model_class": class_name,
@@ -57,7 +75,23 @@ def convert(cfg: BuildConfig, hf_dir: Path, out_dir: Path) -> dict[str, Any]:
         "pp_size": pp,
         "quant_algo": quant_algo,
         "checkpoint_files": files,
-        "tokenizer_files": tokenizer_files,
+        "tokenizer_files": copy_tokenizer(hf_dir, out_dir / TOKENIZER_DIR),
         "tensorrt_llm_version": api.version,
         "tool_packages": ["tensorrt_llm"],
+    }
+
+
+def _for_modelopt(cfg: BuildConfig, hf_dir: Path, out_dir: Path) -> dict[str, Any]:
+    q = cfg.quantization
+    class_name = model_class_name(hf_dir)
+    # Fail here, not after a long calibration: the shapes come from config.json alone.
+    check_shapes(read_hf_config(hf_dir), q.mode, q.group_size, cfg.parallel.tp_size)
+    return {
+        "architecture": hf_architecture(hf_dir),
+        "trtllm_model_class": class_name,
+        "route": "modelopt",
+        "quant_algo": None,
+        "checkpoint_files": [],
+        "note": "ModelOpt calibrates and exports the HF checkpoint in the quantize step",
+        "tokenizer_files": copy_tokenizer(hf_dir, out_dir / TOKENIZER_DIR),
     }

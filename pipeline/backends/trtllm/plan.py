@@ -7,9 +7,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.backends.trtllm.api import MODEL_CLASS_FOR_ARCHITECTURE, hf_architecture
+from pipeline.backends.trtllm.api import (
+    MODEL_CLASS_FOR_ARCHITECTURE,
+    convert_needs_trtllm,
+    hf_architecture,
+    stages_need_trtllm,
+)
 from pipeline.backends.trtllm.build_cmd import BUILD_LOG_NAME, NETWORK_DIRNAME, format_argv, trtllm_build_argv
-from pipeline.backends.trtllm.convert import convert_quant_algo
+from pipeline.backends.trtllm.convert import FP8_ROWWISE_CLAMP, convert_quant_algo
 from pipeline.backends.trtllm.env import trtllm_unavailable_reason
 from pipeline.backends.trtllm.guards import check_build_features, kv_tokens_for_one_sequence
 from pipeline.backends.trtllm.quantize import needs_calibration
@@ -23,6 +28,13 @@ from pipeline.backends.trtllm.versions import (
 )
 from pipeline.config.build_config import BuildConfig
 from pipeline.config.workdir import STAGE_DIRNAMES
+from pipeline.errors import ConfigError
+from pipeline.quantize.modelopt.export import DECODER_TYPES, checkpoint_dtype
+from pipeline.quantize.modelopt.formats import MODE_CONFIGS, block_size, unsupported_reason
+from pipeline.quantize.modelopt.library import LOG_NAME, NEWEST, modelopt_version
+from pipeline.quantize.modelopt.shapes import check_shapes, read_hf_config
+from pipeline.quantize.modelopt.state import STATE_FILE
+from pipeline.runtime.engine_config import TOKENIZER_DIR
 
 HF_DIRNAME, CHECKPOINT_DIRNAME, QUANTIZED_DIRNAME, ENGINE_DIRNAME = (
     STAGE_DIRNAMES[stage] for stage in ("fetch", "convert", "quantize", "engine")
@@ -45,34 +57,62 @@ def _rank_files(cfg: BuildConfig, suffix: str) -> str:
 
 def convert_lines(cfg: BuildConfig, workdir: Path) -> list[str]:
     hf_dir, out = _hf_dir(cfg, workdir), workdir / CHECKPOINT_DIRNAME
+    q = cfg.quantization
+    _check_route(cfg)
+    if not convert_needs_trtllm(cfg):
+        return [
+            f"no TensorRT-LLM conversion for mode={q.mode}, kv={q.kv_cache_dtype}: quantize calibrates and exports "
+            f"the HF checkpoint with ModelOpt; check the model's shapes against the format; copy the tokenizer "
+            f"to {out / TOKENIZER_DIR}"
+        ]
     tp, pp = cfg.parallel.tp_size, cfg.parallel.pp_size
+    clamp = f", clamp_val={FP8_ROWWISE_CLAMP}" if q.mode == "fp8_pc_pt" else ""
     return [
         f"for rank in 0..{tp * pp - 1}: {_model_class(hf_dir)}.from_hugging_face('{hf_dir}', dtype='{cfg.dtype}', "
         f"mapping=Mapping(world_size={tp * pp}, rank=rank, tp_size={tp}, pp_size={pp}), "
-        f"quant_config=QuantConfig(quant_algo={convert_quant_algo(cfg)}), load_model_on_cpu=True)"
+        f"quant_config=QuantConfig(quant_algo={convert_quant_algo(cfg)}{clamp}), load_model_on_cpu=True)"
         f".save_checkpoint('{out}', save_config=rank == 0)",
-        f"writes {out}/config.json, {_rank_files(cfg, 'safetensors')}",
+        f"writes {out}/config.json, {_rank_files(cfg, 'safetensors')}, {TOKENIZER_DIR}/",
     ]
 
 
 def quantize_lines(cfg: BuildConfig, workdir: Path) -> list[str]:
     q, out = cfg.quantization, workdir / QUANTIZED_DIRNAME
+    _check_route(cfg)
     if not needs_calibration(cfg):
         return [
             f"no calibration for mode={q.mode}, kv={q.kv_cache_dtype}: link {workdir / CHECKPOINT_DIRNAME} -> {out}"
         ]
     tp, pp = cfg.parallel.tp_size, cfg.parallel.pp_size
     calib = q.calibration
-    dataset = "<folder of llmpipe's shipped calib.jsonl>" if calib.dataset == "builtin" else calib.dataset
     hf_dir = _hf_dir(cfg, workdir)
+    hf_config = read_hf_config(hf_dir) if (hf_dir / "config.json").is_file() else None
+    if hf_config is not None:
+        check_shapes(hf_config, q.mode, q.group_size, tp)
+    base = MODE_CONFIGS.get(q.mode, "no weight quantizers")
+    kv = "" if q.kv_cache_dtype == "auto" else f" + {q.kv_cache_dtype} KV cache on *[kv]_bmm_quantizer"
+    block = block_size(q.mode, q.group_size)
+    blocks = f", weight blocks of {block}" if block else ""
+    dataset = "llmpipe's shipped calibration set" if calib.dataset == "builtin" else calib.dataset
+    known = hf_config is not None or cfg.dtype != "auto"
+    dtype = checkpoint_dtype(cfg.dtype, hf_config or {}) if known else "auto (float32 -> float16)"
+    decoder = DECODER_TYPES.get(hf_architecture(hf_dir), "?") if hf_config else "llama"
     return [
-        f"{_model_class(hf_dir)}.quantize('{hf_dir}', '{out}', dtype='{cfg.dtype}', "
-        f"mapping=Mapping(world_size={tp * pp}, tp_size={tp}, pp_size={pp}), "
-        f"quant_config=QuantConfig(quant_algo={q.quant_algo}, kv_cache_quant_algo={q.kv_cache_quant_algo}, "
-        f"group_size={q.group_size}), calib_dataset='{dataset}', calib_batches={calib.num_samples}, "
-        f"calib_max_seq_length={calib.max_seq_length})",
-        f"writes {out}/config.json, {_rank_files(cfg, 'safetensors')}",
+        f"ModelOpt {modelopt_version() or '.'.join(map(str, NEWEST))}: load '{hf_dir}' in float32 on the CPU (transformers); mtq.quantize(model, "
+        f"{base}{kv}{blocks}) over {calib.num_samples} samples of {dataset} (max_seq_length "
+        f"{calib.max_seq_length}, batch_size {calib.batch_size}, seed {calib.seed})",
+        f"export_tensorrt_llm_checkpoint(model, '{decoder}', {dtype}, inference_tensor_parallel={tp}, "
+        f"inference_pipeline_parallel={pp}) -> quant_algo {q.quant_algo}, kv_cache_quant_algo "
+        f"{q.kv_cache_quant_algo}",
+        f"writes {out}/config.json, {_rank_files(cfg, 'safetensors')}, {STATE_FILE} (the calibrated model, for "
+        f"validation), {LOG_NAME}; links the tokenizer from {workdir / CHECKPOINT_DIRNAME / TOKENIZER_DIR}",
     ]
+
+
+def _check_route(cfg: BuildConfig) -> None:
+    reason = unsupported_reason(cfg.quantization.mode, cfg.quantization.kv_cache_dtype)
+    if reason:
+        raise ConfigError(reason)
 
 
 def engine_lines(cfg: BuildConfig, workdir: Path) -> list[str]:
@@ -99,6 +139,8 @@ def plan(cfg: BuildConfig, workdir: Path, stage: str | None = None) -> list[str]
     names = [stage] if stage else list(_STAGES)
     lines = [line for name in names for line in _STAGES[name](cfg, workdir)]
     reason = trtllm_unavailable_reason()
-    if reason and stage in (None, "convert"):
+    if reason and stages_need_trtllm(cfg, names):
         lines.append(f"note: this machine cannot run it: {reason}")
+    if "quantize" in names and needs_calibration(cfg) and modelopt_version() is None:
+        lines.append("note: quantize needs NVIDIA ModelOpt: pip install 'llmpipe[modelopt]'")
     return lines

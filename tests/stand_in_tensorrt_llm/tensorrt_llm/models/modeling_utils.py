@@ -13,6 +13,8 @@ class QuantConfig:
     kv_cache_quant_algo: QuantAlgo | None = None
     group_size: int = 128
     smoothquant_val: float = 0.5
+    clamp_val: list[float] | None = None
+    use_meta_recipe: bool = False
     has_zero_point: bool = False
     pre_quant_scale: bool = False
     exclude_modules: list[str] | None = None

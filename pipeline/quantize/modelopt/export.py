@@ -1,0 +1,132 @@
+"""ModelOpt's exporters: the TensorRT-LLM checkpoint that `trtllm-build` reads, and the unified HF checkpoint
+(safetensors + hf_quant_config.json) that TensorRT-LLM's LLM API loads.
+
+TensorRT-LLM checkpoint format: NVIDIA/TensorRT-LLM:docs/source/legacy/architecture/checkpoint.md@10c1d594d3078c5e9f425373bc15763e87084a07
+(config.json with `architecture`, `dtype`, `mapping`, `quantization`; one rank{r}.safetensors per rank).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.errors import UnsupportedModelError
+from pipeline.quantize.modelopt.library import LOG_NAME, ModelOptLog
+from pipeline.sources.tokenizer import copy_tokenizer
+
+# HF architecture -> ModelOpt's decoder type (modelopt/torch/export/model_utils.py MODEL_NAME_TO_TYPE:
+# "Llama" and "Mistral" -> llama, "QWen" -> qwen), the architectures llmpipe converts.
+DECODER_TYPES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen",
+}
+
+
+def architecture(hf_config: dict[str, Any]) -> str:
+    architectures = hf_config.get("architectures") or []
+    arch = str(architectures[0]) if architectures else ""
+    if arch not in DECODER_TYPES:
+        raise UnsupportedModelError(
+            f"architecture {arch or '(none)'} has no ModelOpt export in llmpipe",
+            hint=f"Supported: {', '.join(DECODER_TYPES)}.",
+        )
+    return arch
+
+
+def checkpoint_dtype(dtype: str, hf_config: dict[str, Any]) -> str:
+    """The dtype of the unquantized tensors. `auto` keeps a float16/bfloat16 checkpoint's dtype and turns
+    float32 into float16, as TensorRT-LLM's convert_checkpoint.py --dtype auto does
+    (NVIDIA/TensorRT-LLM:examples/models/core/llama/convert_checkpoint.py@fd96a08bdc489f41f139b295935b10ed43652fa1)."""
+    if dtype != "auto":
+        return dtype
+    source = str(hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32")
+    return source if source in ("float16", "bfloat16") else "float16"
+
+
+def rank_files(world_size: int) -> list[str]:
+    return ["config.json"] + [f"rank{r}.safetensors" for r in range(world_size)]
+
+
+def export_trtllm_checkpoint(
+    model: torch.nn.Module,
+    hf_config: dict[str, Any],
+    out_dir: Path,
+    dtype: str,
+    tp_size: int,
+    pp_size: int,
+    log: ModelOptLog,
+) -> list[str]:
+    """Write the TensorRT-LLM checkpoint of the calibrated `model` into `out_dir`; the files written. The
+    export changes `model` (it packs weights in place)."""
+    from modelopt.torch.export import export_tensorrt_llm_checkpoint
+
+    with log.capture():
+        export_tensorrt_llm_checkpoint(
+            model,
+            DECODER_TYPES[architecture(hf_config)],
+            getattr(torch, dtype),
+            export_dir=out_dir,
+            inference_tensor_parallel=tp_size,
+            inference_pipeline_parallel=pp_size,
+        )
+    config_path = out_dir / "config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config_path.write_text(json.dumps(complete_config(config, hf_config), indent=2) + "\n", encoding="utf-8")
+    return rank_files(tp_size * pp_size)
+
+
+def complete_config(config: dict[str, Any], hf_config: dict[str, Any]) -> dict[str, Any]:
+    """The fields ModelOpt's exporter leaves out or gets wrong, set from the HF config as TensorRT-LLM's
+    quantize.py sets them after exporting (quantize_by_modelopt.py, quantize_and_export): the RoPE base and
+    scaling (the exporter reads `rope_theta`, which transformers 5 keeps inside `rope_parameters`, so it
+    would fall back to 10000) and, for Qwen, `qwen_type`, which picks Qwen2 over the first Qwen."""
+    base, scaling = rope(hf_config)
+    completed = {**config, "rotary_base": base, "rotary_scaling": scaling}
+    if DECODER_TYPES[architecture(hf_config)] == "qwen":
+        completed["qwen_type"] = str(hf_config.get("model_type", "qwen2"))
+    return completed
+
+
+def rope(hf_config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rotary_base, rotary_scaling) from transformers 5's `rope_parameters` or the older `rope_theta` +
+    `rope_scaling`; the scaling in the older form (no rope_theta inside), None for plain RoPE."""
+    params = hf_config.get("rope_parameters")
+    if isinstance(params, dict):
+        base = float(params.get("rope_theta", hf_config.get("rope_theta", 10000.0)))
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        base = float(hf_config.get("rope_theta", 10000.0))
+        scaling = dict(hf_config.get("rope_scaling") or {})
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    return base, (scaling if scaling and kind != "default" else None)
+
+
+def export_unified_hf_checkpoint(
+    hf_dir: Path, quantized_dir: Path, export_dir: Path, dtype: str = "auto"
+) -> list[str]:
+    """The unified HF checkpoint (safetensors with quantized weights and scales, hf_quant_config.json, the
+    tokenizer) of the model calibrated into `quantized_dir`, rebuilt from its saved ModelOpt state; the files
+    written, ModelOpt's messages in `modelopt.log` among them."""
+    from pipeline.quantize.modelopt.shapes import read_hf_config
+    from pipeline.quantize.modelopt.state import load_simulated_model
+
+    export_dir = Path(export_dir)
+    export_dir.mkdir(parents=True, exist_ok=True)
+    target = getattr(torch, checkpoint_dtype(dtype, read_hf_config(hf_dir)))
+    with (export_dir / LOG_NAME).open("w", encoding="utf-8") as stream:
+        log = ModelOptLog(stream)
+        model = load_simulated_model(hf_dir, quantized_dir, log)
+        # This exporter writes unquantized tensors in the model's own dtype (float32 after CPU calibration),
+        # and runs the model once: cast all of it, as hf_ptq.py exports a model loaded in the target dtype.
+        model.to(target)
+        model.config.dtype = target
+        with log.capture():
+            from modelopt.torch.export import export_hf_checkpoint
+
+            export_hf_checkpoint(model, dtype=target, export_dir=export_dir)
+    copy_tokenizer(Path(hf_dir), export_dir)
+    return sorted(p.name for p in export_dir.iterdir() if p.is_file())
