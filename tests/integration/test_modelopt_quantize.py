@@ -316,20 +316,6 @@ def test_quantize_lm_head_is_fp8_only(tiny_llama_dir: Path, tmp_path: Path) -> N
     assert tensors(out / "rank0.safetensors")["lm_head.weight"][0] == "F8_E4M3"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("mode", "group_size"), [("fp8", 128), ("int4_awq", 64)])
-def test_smollm2(smollm2_hf_dir: Path, tmp_path: Path, mode: str, group_size: int) -> None:
-    cfg = make_cfg(smollm2_hf_dir, mode=mode, group_size=group_size, calibration={})
-    out, facts = convert_and_quantize(cfg, smollm2_hf_dir, tmp_path)
-    config = json.loads((out / "config.json").read_text())
-    assert config["quantization"]["quant_algo"] == {"fp8": "FP8", "int4_awq": "W4A16_AWQ"}[mode]
-    assert config["rotary_base"] == 100000.0  # from transformers 5's rope_parameters
-    assert (config["hidden_size"], config["num_hidden_layers"], config["num_key_value_heads"]) == (576, 30, 3)
-    names = tensors(out / "rank0.safetensors")
-    assert len([n for n in names if n.endswith("attention.qkv.weight")]) == 30
-    assert facts["calibration"]["samples"] == 32
-
-
 def test_a_cpu_host_runs_fetch_convert_quantize_through_the_cli(tiny_llama_dir: Path, tmp_path: Path) -> None:
     calib = tmp_path / "calib.txt"
     calib.write_text("def first():\n    pass\n\nclass Second:\n    x = 1\n")

@@ -25,7 +25,8 @@ from pipeline.backends.trtllm.api import (
 from pipeline.config.build_config import BuildConfig
 from pipeline.errors import ConfigError
 from pipeline.quantize.modelopt.formats import CONVERT_MODES, unsupported_reason
-from pipeline.quantize.modelopt.shapes import check_shapes, read_hf_config
+from pipeline.quantize.modelopt.run import check_config
+from pipeline.quantize.modelopt.shapes import read_hf_config
 from pipeline.runtime.engine_config import TOKENIZER_DIR
 from pipeline.sources.tokenizer import copy_tokenizer
 
@@ -82,10 +83,9 @@ def convert(cfg: BuildConfig, hf_dir: Path, out_dir: Path) -> dict[str, Any]:
 
 
 def _for_modelopt(cfg: BuildConfig, hf_dir: Path, out_dir: Path) -> dict[str, Any]:
-    q = cfg.quantization
     class_name = model_class_name(hf_dir)
-    # Fail here, not after a long calibration: the shapes come from config.json alone.
-    check_shapes(read_hf_config(hf_dir), q.mode, q.group_size, cfg.parallel.tp_size)
+    # Fail here, not after a long calibration: the checks read config.json alone.
+    check_config(cfg, read_hf_config(hf_dir))
     return {
         "architecture": hf_architecture(hf_dir),
         "trtllm_model_class": class_name,

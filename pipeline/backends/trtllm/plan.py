@@ -32,7 +32,8 @@ from pipeline.errors import ConfigError
 from pipeline.quantize.modelopt.export import DECODER_TYPES, checkpoint_dtype
 from pipeline.quantize.modelopt.formats import MODE_CONFIGS, block_size, unsupported_reason
 from pipeline.quantize.modelopt.library import LOG_NAME, NEWEST, modelopt_version
-from pipeline.quantize.modelopt.shapes import check_shapes, read_hf_config
+from pipeline.quantize.modelopt.run import check_config
+from pipeline.quantize.modelopt.shapes import read_hf_config
 from pipeline.quantize.modelopt.state import STATE_FILE
 from pipeline.runtime.engine_config import TOKENIZER_DIR
 
@@ -88,7 +89,7 @@ def quantize_lines(cfg: BuildConfig, workdir: Path) -> list[str]:
     hf_dir = _hf_dir(cfg, workdir)
     hf_config = read_hf_config(hf_dir) if (hf_dir / "config.json").is_file() else None
     if hf_config is not None:
-        check_shapes(hf_config, q.mode, q.group_size, tp)
+        check_config(cfg, hf_config)
     base = MODE_CONFIGS.get(q.mode, "no weight quantizers")
     kv = "" if q.kv_cache_dtype == "auto" else f" + {q.kv_cache_dtype} KV cache on *[kv]_bmm_quantizer"
     block = block_size(q.mode, q.group_size)
