@@ -24,8 +24,8 @@ import pytest
 
 from pipeline.backends.trtllm import build as build_step
 from pipeline.backends.trtllm import build_cmd, env, guards
-from pipeline.backends.trtllm.build_cmd import NETWORK_DIRNAME
 from pipeline.backends.trtllm.api import stages_need_trtllm
+from pipeline.backends.trtllm.build_cmd import NETWORK_DIRNAME
 from pipeline.backends.trtllm.convert import convert
 from pipeline.backends.trtllm.plan import plan
 from pipeline.backends.trtllm.quantize import quantize

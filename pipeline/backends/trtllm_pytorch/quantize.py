@@ -16,7 +16,7 @@ from typing import Any
 from pipeline.backends.trtllm_pytorch.checkpoint import HF_QUANT_CONFIG, quant_algos
 from pipeline.config.build_config import BuildConfig
 from pipeline.errors import UnsupportedModelError
-from pipeline.quantize.calibration import dataset_path
+from pipeline.quantize.calibration import data_files as dataset_data_files
 
 
 def data_files(cfg: BuildConfig) -> dict[str, Path]:
@@ -24,7 +24,7 @@ def data_files(cfg: BuildConfig) -> dict[str, Path]:
     q = cfg.quantization
     if q.mode == "none" and q.kv_cache_dtype == "auto":
         return {}
-    return {"calibration": dataset_path(q.calibration.dataset)}
+    return dataset_data_files("calibration", q.calibration.dataset)
 
 
 def quantize(cfg: BuildConfig, ckpt_dir: Path, out_dir: Path, hf_dir: Path | None = None) -> dict[str, Any]:
