@@ -23,8 +23,7 @@ from pipeline.backends.trtllm.api import (
     model_class_name,
 )
 from pipeline.config.build_config import BuildConfig
-from pipeline.errors import ConfigError
-from pipeline.quantize.modelopt.formats import CONVERT_MODES, unsupported_reason
+from pipeline.quantize.modelopt.formats import CONVERT_MODES, check_supported
 from pipeline.quantize.modelopt.run import check_config
 from pipeline.quantize.modelopt.shapes import read_hf_config
 from pipeline.runtime.engine_config import TOKENIZER_DIR
@@ -44,9 +43,7 @@ def convert_quant_algo(cfg: BuildConfig) -> str | None:
 
 def convert(cfg: BuildConfig, hf_dir: Path, out_dir: Path) -> dict[str, Any]:
     q = cfg.quantization
-    reason = unsupported_reason(q.mode, q.kv_cache_dtype)
-    if reason:
-        raise ConfigError(reason)
+    check_supported(q.mode, q.kv_cache_dtype)
     guards.check_this_machine_supports(cfg)  # before conversion and calibration, not after them
     if not convert_needs_trtllm(cfg):
         return _for_modelopt(cfg, hf_dir, out_dir)

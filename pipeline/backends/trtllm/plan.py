@@ -28,9 +28,8 @@ from pipeline.backends.trtllm.versions import (
 )
 from pipeline.config.build_config import BuildConfig
 from pipeline.config.workdir import STAGE_DIRNAMES
-from pipeline.errors import ConfigError
 from pipeline.quantize.modelopt.export import DECODER_TYPES, checkpoint_dtype
-from pipeline.quantize.modelopt.formats import MODE_CONFIGS, block_size, unsupported_reason
+from pipeline.quantize.modelopt.formats import MODE_CONFIGS, block_size, check_supported
 from pipeline.quantize.modelopt.library import LOG_NAME, NEWEST, modelopt_version
 from pipeline.quantize.modelopt.run import check_config
 from pipeline.quantize.modelopt.shapes import read_hf_config
@@ -59,7 +58,7 @@ def _rank_files(cfg: BuildConfig, suffix: str) -> str:
 def convert_lines(cfg: BuildConfig, workdir: Path) -> list[str]:
     hf_dir, out = _hf_dir(cfg, workdir), workdir / CHECKPOINT_DIRNAME
     q = cfg.quantization
-    _check_route(cfg)
+    check_supported(q.mode, q.kv_cache_dtype)
     if not convert_needs_trtllm(cfg):
         return [
             f"no TensorRT-LLM conversion for mode={q.mode}, kv={q.kv_cache_dtype}: quantize calibrates and exports "
@@ -79,7 +78,7 @@ def convert_lines(cfg: BuildConfig, workdir: Path) -> list[str]:
 
 def quantize_lines(cfg: BuildConfig, workdir: Path) -> list[str]:
     q, out = cfg.quantization, workdir / QUANTIZED_DIRNAME
-    _check_route(cfg)
+    check_supported(q.mode, q.kv_cache_dtype)
     if not needs_calibration(cfg):
         return [
             f"no calibration for mode={q.mode}, kv={q.kv_cache_dtype}: link {workdir / CHECKPOINT_DIRNAME} -> {out}"
@@ -95,11 +94,12 @@ def quantize_lines(cfg: BuildConfig, workdir: Path) -> list[str]:
     block = block_size(q.mode, q.group_size)
     blocks = f", weight blocks of {block}" if block else ""
     dataset = "llmpipe's shipped calibration set" if calib.dataset == "builtin" else calib.dataset
+    release = modelopt_version() or ".".join(map(str, NEWEST))
     known = hf_config is not None or cfg.dtype != "auto"
     dtype = checkpoint_dtype(cfg.dtype, hf_config or {}) if known else "auto (float32 -> float16)"
     decoder = DECODER_TYPES.get(hf_architecture(hf_dir), "?") if hf_config else "llama"
     return [
-        f"ModelOpt {modelopt_version() or '.'.join(map(str, NEWEST))}: load '{hf_dir}' in float32 on the CPU (transformers); mtq.quantize(model, "
+        f"ModelOpt {release}: load '{hf_dir}' in float32 on the CPU (transformers); mtq.quantize(model, "
         f"{base}{kv}{blocks}) over {calib.num_samples} samples of {dataset} (max_seq_length "
         f"{calib.max_seq_length}, batch_size {calib.batch_size}, seed {calib.seed})",
         f"export_tensorrt_llm_checkpoint(model, '{decoder}', {dtype}, inference_tensor_parallel={tp}, "
@@ -108,12 +108,6 @@ def quantize_lines(cfg: BuildConfig, workdir: Path) -> list[str]:
         f"writes {out}/config.json, {_rank_files(cfg, 'safetensors')}, {STATE_FILE} (the calibrated model, for "
         f"validation), {LOG_NAME}; links the tokenizer from {workdir / CHECKPOINT_DIRNAME / TOKENIZER_DIR}",
     ]
-
-
-def _check_route(cfg: BuildConfig) -> None:
-    reason = unsupported_reason(cfg.quantization.mode, cfg.quantization.kv_cache_dtype)
-    if reason:
-        raise ConfigError(reason)
 
 
 def engine_lines(cfg: BuildConfig, workdir: Path) -> list[str]:

@@ -15,9 +15,9 @@ from typing import Any
 from pipeline.artifacts import link_tree
 from pipeline.backends.trtllm.api import check_unified_checkpoint
 from pipeline.config.build_config import BuildConfig
-from pipeline.errors import ConfigError, MissingArtifactError
+from pipeline.errors import MissingArtifactError
 from pipeline.quantize.calibration import data_files as dataset_data_files
-from pipeline.quantize.modelopt.formats import unsupported_reason, uses_modelopt
+from pipeline.quantize.modelopt.formats import check_supported, uses_modelopt
 from pipeline.quantize.modelopt.library import DISTRIBUTION
 from pipeline.quantize.modelopt.run import quantize_checkpoint
 from pipeline.runtime.engine_config import TOKENIZER_DIR
@@ -30,9 +30,7 @@ def needs_calibration(cfg: BuildConfig) -> bool:
 
 def quantize(cfg: BuildConfig, ckpt_dir: Path, out_dir: Path, hf_dir: Path | None = None) -> dict[str, Any]:
     q = cfg.quantization
-    reason = unsupported_reason(q.mode, q.kv_cache_dtype)
-    if reason:
-        raise ConfigError(reason)
+    check_supported(q.mode, q.kv_cache_dtype)
     if not needs_calibration(cfg):
         link_tree(ckpt_dir, out_dir)
         return {"quant_algo": q.quant_algo, "kv_cache_quant_algo": None, "pass_through": True}

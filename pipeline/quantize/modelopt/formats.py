@@ -23,6 +23,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from pipeline.errors import ConfigError
+
 # quantization.mode -> the ModelOpt config (an attribute of modelopt.torch.quantization).
 MODE_CONFIGS: dict[str, str] = {
     "fp8": "FP8_DEFAULT_CFG",
@@ -62,6 +64,13 @@ def unsupported_reason(mode: str, kv_cache_dtype: str) -> str | None:
             f"calibrated mode ({', '.join(sorted(MODELOPT_MODES))}) or mode=none with the KV cache dtype"
         )
     return None
+
+
+def check_supported(mode: str, kv_cache_dtype: str) -> None:
+    """ConfigError with unsupported_reason's words, for the steps and the plan."""
+    reason = unsupported_reason(mode, kv_cache_dtype)
+    if reason:
+        raise ConfigError(reason)
 
 
 def block_size(mode: str, group_size: int) -> int | None:

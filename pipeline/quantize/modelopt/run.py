@@ -20,7 +20,7 @@ from pipeline.quantize.modelopt.export import (
     checkpoint_dtype,
     export_trtllm_checkpoint,
 )
-from pipeline.quantize.modelopt.formats import MODE_CONFIGS, quant_config, unsupported_reason
+from pipeline.quantize.modelopt.formats import MODE_CONFIGS, check_supported, quant_config
 from pipeline.quantize.modelopt.library import LOG_NAME, ModelOptLog, import_modelopt, require_modelopt
 from pipeline.quantize.modelopt.loop import forward_loop, load_float_model
 from pipeline.quantize.modelopt.shapes import check_shapes, read_hf_config
@@ -31,9 +31,7 @@ def check_config(cfg: BuildConfig, hf_config: dict[str, Any]) -> None:
     """Everything that can be refused before loading the model: the combination, the lm_head switch, the
     architecture, the group/block size against the model's shapes."""
     q = cfg.quantization
-    reason = unsupported_reason(q.mode, q.kv_cache_dtype)
-    if reason:
-        raise ConfigError(reason)
+    check_supported(q.mode, q.kv_cache_dtype)
     if q.quantize_lm_head and q.mode != "fp8":
         raise ConfigError(
             f"quantization.quantize_lm_head=true with mode={q.mode}: TensorRT-LLM's quantize.py quantizes the "
