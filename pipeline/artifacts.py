@@ -182,11 +182,14 @@ def _fsync_tree(root: Path) -> None:
                 os.fsync(handle.fileno())
 
 
-def link_tree(src: Path, dst: Path) -> None:
-    """Mirror `src` into `dst`. A symlink whose target lies outside `src` is refused: packaging must not
-    carry files from elsewhere on the machine into an artifact (a served repository, say)."""
+def link_tree(src: Path, dst: Path, skip: tuple[str, ...] = ()) -> None:
+    """Mirror `src` into `dst`, less its top-level entries named in `skip`. A symlink whose target lies
+    outside `src` is refused: packaging must not carry files from elsewhere on the machine into an artifact
+    (a served repository, say)."""
     root = src.resolve()
     for path in sorted(src.rglob("*")):
+        if path.relative_to(src).parts[0] in skip:
+            continue
         if path.is_symlink() and not path.resolve().is_relative_to(root):
             raise IntegrityError(
                 f"{path} is a symlink to {path.resolve()}, outside {root}",

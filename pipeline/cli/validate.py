@@ -96,8 +96,11 @@ def _log_progress_to_stderr() -> None:
 
 
 def _stage_report(cfg: BuildConfig, force: bool) -> tuple[dict[str, Any], str]:
+    from pipeline.validate.run import require_simulation
     from pipeline.validate.stage import SPEC, load_report, report_path
 
+    if "quantize" in SPEC.inputs_for(cfg):  # before asking for a quantize output that cannot exist here
+        require_simulation(cfg)
     result = run_stage(cfg, SPEC, STAGES, force=force)
     if result.reused:
         click.echo(

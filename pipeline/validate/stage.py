@@ -54,7 +54,7 @@ SPEC = StageSpec(
     config_sections=("validation", "quantization", "dtype"),
     inputs=("fetch", "engine"),
     # trtllm engines run only on a GPU: their quantized checkpoint is validated in simulation on any host
-    backend_inputs={"trtllm": ("fetch", "quantize")},
+    backend_inputs={"trtllm": ("fetch", "quantize"), "trtllm_pytorch": ("fetch", "quantize")},
     produce=produce,
     describe=describe,
     summary="Check the engine's accuracy against the HF reference (greedy agreement, KL, perplexity, ROUGE).",

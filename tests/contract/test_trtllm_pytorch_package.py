@@ -35,7 +35,6 @@ from tests.trtllm_pytorch_builds import build, write_config
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SHIPPED_CONFIG = REPO_ROOT / "build_configs" / "smollm2-135m-trtllm-pytorch-fp8.yaml"
-HAS_MODELOPT_STEP = importlib.util.find_spec("pipeline.quantize.modelopt") is not None
 
 
 @pytest.fixture(scope="module")
@@ -224,9 +223,6 @@ def test_the_loader_fails_with_one_clear_line_where_the_image_lacks_the_model(
 
 
 # ---- quantized builds, the plan ---------------------------------------------------------------------------
-@pytest.mark.skipif(
-    not HAS_MODELOPT_STEP, reason="pipeline.quantize.modelopt (the ModelOpt step) is not here"
-)
 def test_an_fp8_build_packages_the_modelopt_checkpoint(tiny_llama_dir: Path, tmp_path: Path) -> None:
     config = write_config(
         tmp_path / "tiny-fp8.yaml",

@@ -6,7 +6,6 @@ arguments) is checked against the recorded interface by test_trtllm_pytorch_args
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 from pathlib import Path
@@ -29,7 +28,6 @@ from pipeline.stages.chain import run_chain, stages_until
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SHIPPED_CONFIG = REPO_ROOT / "build_configs" / "smollm2-135m-trtllm-pytorch-fp8.yaml"
-HAS_MODELOPT_STEP = importlib.util.find_spec("pipeline.quantize.modelopt") is not None
 
 
 def make_cfg(hf_dir: Path, workdir: Path, **sections: Any) -> BuildConfig:
@@ -105,9 +103,6 @@ def test_the_engine_step_refuses_a_checkpoint_in_another_format(tiny_llama_dir: 
     assert not (out / LLM_API_ARGS_FILE).exists()
 
 
-@pytest.mark.skipif(
-    not HAS_MODELOPT_STEP, reason="pipeline.quantize.modelopt (the ModelOpt step) is not here"
-)
 def test_fp8_is_a_modelopt_unified_checkpoint_the_engine_accepts(
     tiny_llama_dir: Path, tmp_path: Path
 ) -> None:

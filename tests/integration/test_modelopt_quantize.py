@@ -14,7 +14,6 @@ weights two to a uint8 byte with an F8_E4M3 scale per 16 values.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -44,12 +43,7 @@ from pipeline.quantize.modelopt.library import (
 from pipeline.quantize.modelopt.loop import forward_loop, load_float_model
 from pipeline.quantize.modelopt.state import STATE_FILE, load_simulated_model, save_state
 
-pytestmark = [
-    pytest.mark.usefixtures("one_torch_thread"),
-    pytest.mark.skipif(
-        importlib.util.find_spec("modelopt") is None, reason="nvidia-modelopt is not installed"
-    ),
-]
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # nvidia-modelopt: `make install` installs it
 
 # Few, short samples: the formats and files are what is tested, not the calibration's quality.
 CALIBRATION = {"num_samples": 4, "max_seq_length": 64}

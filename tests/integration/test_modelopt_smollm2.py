@@ -5,7 +5,6 @@ one-thread fixture does not apply."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -13,12 +12,7 @@ import pytest
 
 from tests.integration.test_modelopt_quantize import convert_and_quantize, make_cfg, numel, tensors
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        importlib.util.find_spec("modelopt") is None, reason="nvidia-modelopt is not installed"
-    ),
-]
+pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize(("mode", "group_size"), [("fp8", 128), ("int4_awq", 64)])

@@ -26,6 +26,7 @@ from pipeline.backends.trtllm_pytorch.llm_args import (
 from pipeline.config.build_config import BuildConfig
 from pipeline.config.workdir import stage_output_dir
 from pipeline.errors import MissingArtifactError
+from pipeline.quantize.modelopt.state import SIMULATION_DIR
 
 
 def _check_quantization(cfg: BuildConfig, ckpt_dir: Path) -> tuple[str | None, str | None]:
@@ -47,7 +48,7 @@ def _write_yaml(path: Path, document: dict[str, Any]) -> None:
 def build(cfg: BuildConfig, ckpt_dir: Path, out_dir: Path) -> dict[str, Any]:
     checkpoint = require_hf_checkpoint(ckpt_dir)
     quant_algo, kv_cache_quant_algo = _check_quantization(cfg, ckpt_dir)
-    link_tree(ckpt_dir, out_dir)
+    link_tree(ckpt_dir, out_dir, skip=(SIMULATION_DIR,))  # what validation reads is no part of the engine
     # `out_dir` is renamed to the stage folder once written: the arguments name the final folder.
     final_dir = stage_output_dir(cfg, "engine").resolve()
     args = llm_api_args(cfg, final_dir)

@@ -9,6 +9,7 @@ through).
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -31,10 +32,14 @@ def quantize(cfg: BuildConfig, ckpt_dir: Path, out_dir: Path, hf_dir: Path | Non
     # `ckpt_dir` (convert's output) is the HF checkpoint itself on this route.
     from pipeline.quantize.modelopt.export import export_unified_hf_checkpoint
     from pipeline.quantize.modelopt.run import quantize_checkpoint
+    from pipeline.quantize.modelopt.state import SIMULATION_DIR, STATE_FILE, state_path
 
     with tempfile.TemporaryDirectory(prefix="llmpipe-modelopt-", dir=out_dir.parent) as scratch:
         facts = quantize_checkpoint(cfg, ckpt_dir, Path(scratch))
         files = export_unified_hf_checkpoint(ckpt_dir, Path(scratch), out_dir, cfg.dtype)
+        # kept for `llmpipe validate`, which measures the calibrated model in simulation
+        (out_dir / SIMULATION_DIR).mkdir()
+        shutil.move(state_path(Path(scratch)), out_dir / SIMULATION_DIR / STATE_FILE)
     q = cfg.quantization
     found = quant_algos(out_dir)
     if found != (q.quant_algo, q.kv_cache_quant_algo):

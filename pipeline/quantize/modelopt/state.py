@@ -18,6 +18,15 @@ from pipeline.quantize.modelopt.library import ModelOptLog, import_modelopt
 from pipeline.quantize.modelopt.loop import load_float_model
 
 STATE_FILE = "modelopt_state.pth"
+# Where a quantize output whose folder is itself a checkpoint to serve (the unified HF checkpoint of the
+# trtllm_pytorch route) keeps the state: a subfolder that packaging leaves out.
+SIMULATION_DIR = "simulation"
+
+
+def state_path(quantized_dir: Path) -> Path:
+    """The saved state of a quantize output: in the folder itself, or in its SIMULATION_DIR."""
+    direct = Path(quantized_dir) / STATE_FILE
+    return direct if direct.is_file() else Path(quantized_dir) / SIMULATION_DIR / STATE_FILE
 
 
 def save_state(model: torch.nn.Module, out_dir: Path, log: ModelOptLog) -> str:
@@ -34,7 +43,7 @@ def load_simulated_model(
 ) -> torch.nn.Module:
     """The HF model of `hf_dir` with ModelOpt's simulated (fake) quantization as calibrated into
     `quantized_dir`: float32 tensors, quantize-dequantize at every quantizer, in eval mode."""
-    path = Path(quantized_dir) / STATE_FILE
+    path = state_path(quantized_dir)
     if not path.is_file():
         raise MissingArtifactError(
             f"no {STATE_FILE} in {quantized_dir}: it was not quantized by ModelOpt",

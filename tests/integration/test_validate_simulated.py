@@ -1,0 +1,73 @@
+"""`llmpipe validate` on the TensorRT-LLM backends, whose engines need a GPU: on any machine it measures the
+ModelOpt-quantized model of the quantize stage in simulated quantization (tiny random Llama, real ModelOpt,
+no TensorRT-LLM), with the same metrics and gates as a torch build."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from pipeline.cli.main import cli
+from pipeline.quantize.modelopt.state import SIMULATION_DIR, STATE_FILE
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+FAST_VALIDATION = {"num_samples": 3, "max_new_tokens": 12}
+FAST_CALIBRATION = {"num_samples": 4, "max_seq_length": 64}
+
+
+def _config(folder: Path, source: Path, backend: str, **quantization: Any) -> Path:
+    name = f"tiny-{backend}-{quantization.get('mode', 'none')}".replace("_", "-")
+    data = {
+        "name": name,
+        "source": {"kind": "local", "path": str(source)},
+        "backend": backend,
+        "workdir": str(folder / "build" / name),
+        "engine": {"max_batch_size": 8, "max_input_len": 512, "max_seq_len": 1024, "max_num_tokens": 512},
+        "quantization": {"calibration": FAST_CALIBRATION, **quantization},
+        "validation": FAST_VALIDATION,
+    }
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _invoke(*argv: str) -> Any:
+    return CliRunner().invoke(cli, list(argv))
+
+
+@pytest.mark.parametrize(("backend", "until"), [("trtllm", "quantize"), ("trtllm_pytorch", "engine")])
+def test_a_gpu_format_is_validated_in_simulation(
+    tiny_llama_dir: Path, tmp_path: Path, backend: str, until: str
+) -> None:
+    config = _config(tmp_path, tiny_llama_dir, backend, mode="fp8")
+    built = _invoke("build", str(config), "--until", until)
+    assert built.exit_code == 0, built.stderr
+    workdir = tmp_path / "build" / yaml.safe_load(config.read_text())["name"]
+    if backend == "trtllm_pytorch":  # the state validation reads stays out of what is served
+        assert (workdir / "quantized" / SIMULATION_DIR / STATE_FILE).is_file()
+        assert not list((workdir / "engine").rglob(STATE_FILE))
+    result = _invoke("validate", str(config), "--set", "validation.thresholds.min_output_match=0")
+    report = json.loads((workdir / "validation" / "validation.json").read_text())
+    assert report["target"].startswith("ModelOpt simulated quantization"), report["target"]
+    assert report["compute_dtype"] == "float32" and report["profile"] != "exact"
+    metrics = {row["metric"]: row["value"] for row in report["gates"]}
+    # quantized, so not the reference itself; close to it, so not broken
+    assert 0 < metrics["mean_kl"] < 0.5, metrics
+    assert metrics["greedy_agreement"] > 0.5, metrics
+    assert result.exit_code in (0, 1), result.stderr  # the verdict is the gates'; the run itself works
+
+
+def test_a_format_tensorrt_llm_makes_itself_is_refused_with_the_way_to_validate_it(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    # int8 weight-only is converted by TensorRT-LLM's own from_hugging_face: nothing here can simulate it
+    config = _config(tmp_path, tiny_llama_dir, "trtllm", mode="int8_wo")
+    result = _invoke("validate", str(config))
+    assert result.exit_code != 0
+    assert "quantization.mode=int8_wo" in result.stderr and "--endpoint" in result.stderr, result.stderr
