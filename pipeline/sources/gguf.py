@@ -110,8 +110,9 @@ def _dense_model(folder: Path, name: str) -> PreTrainedModel:
     """A plain (serializable) model holding the GGUF's dequantized weights in fp32."""
     loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     config = loaded.config
-    # The GGUF marker is what makes transformers refuse to save; the weights are already dense.
-    del config.quantization_config
+    # The GGUF marker is what makes transformers (5.x) refuse to save; the weights are already dense.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # strict: a tensor the GGUF lacks would otherwise keep its random init silently.
     model.load_state_dict(loaded.state_dict(), strict=True)
