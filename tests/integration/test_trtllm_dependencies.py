@@ -146,7 +146,9 @@ def probe(out_file: str, v5_checkpoint: str, scratch: str) -> None:
     configs = sorted(str(p) for p in (REPO_ROOT / "build_configs").glob("*.yaml"))
     trtllm_configs = [c for c in configs if yaml.safe_load(Path(c).read_text()).get("backend") == "trtllm"]
     # offline, a Hub source must fail in one line (a packaged GGUF would be dequantized: minutes, no news)
-    hub_configs = [c for c in trtllm_configs if yaml.safe_load(Path(c).read_text())["source"]["kind"] == "hub"]
+    hub_configs = [
+        c for c in trtllm_configs if yaml.safe_load(Path(c).read_text())["source"]["kind"] == "hub"
+    ]
     runner = CliRunner()
     commands = {
         "config validate": ["config", "validate", *configs],
