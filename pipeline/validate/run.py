@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config.build_config import BuildConfig
-from pipeline.errors import ConfigError, MissingArtifactError
+from pipeline.errors import BackendUnavailableError, ConfigError, MissingArtifactError
 from pipeline.stages.fetch import checkpoint_dir
 from pipeline.stages.runner import StageInput
 from pipeline.validate.data import load_eval_set
@@ -100,6 +100,14 @@ def require_simulation(cfg: BuildConfig) -> None:
             f"quantization.mode={q.mode} kv_cache_dtype={q.kv_cache_dtype} on backend={cfg.backend}: llmpipe "
             "simulates only the formats ModelOpt quantizes, and this one is produced by TensorRT-LLM itself",
             hint="Validate the served deployment instead: llmpipe validate CONFIG --endpoint http://HOST:8000",
+        )
+    if q.mode == "nvfp4":
+        # Its activations quantize dynamically per block of 16, which ModelOpt runs only on CUDA tensors
+        # (its calibration runs on the CPU; the quantized forward asserts "amax must be a CUDA tensor").
+        raise BackendUnavailableError(
+            "quantization.mode=nvfp4: ModelOpt simulates NVFP4's dynamic activation quantization only on CUDA "
+            "tensors, and llmpipe's simulation runs on the CPU (the NVFP4 checkpoint itself is written)",
+            hint="Validate the served deployment: llmpipe validate CONFIG --endpoint http://HOST:8000",
         )
 
 

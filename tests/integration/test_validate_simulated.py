@@ -71,3 +71,12 @@ def test_a_format_tensorrt_llm_makes_itself_is_refused_with_the_way_to_validate_
     result = _invoke("validate", str(config))
     assert result.exit_code != 0
     assert "quantization.mode=int8_wo" in result.stderr and "--endpoint" in result.stderr, result.stderr
+
+
+def test_nvfp4_which_modelopt_simulates_only_on_cuda_is_refused_in_one_line(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    config = _config(tmp_path, tiny_llama_dir, "trtllm", mode="nvfp4")
+    result = _invoke("validate", str(config))
+    assert result.exit_code != 0 and result.exception is None or isinstance(result.exception, SystemExit)
+    assert "quantization.mode=nvfp4" in result.stderr and "--endpoint" in result.stderr, result.stderr
