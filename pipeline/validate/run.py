@@ -66,13 +66,14 @@ def run(
     settings = Settings(cfg.validation.num_samples, cfg.validation.max_new_tokens)
     measurement = measure(evalset, reference, target, settings)
     q = cfg.quantization
-    gates = resolve_gates(cfg.validation.thresholds, q.mode, q.kv_cache_dtype, compute_dtype)
+    simulated = "quantize" in inputs and endpoint is None
+    gates = resolve_gates(cfg.validation.thresholds, q.mode, q.kv_cache_dtype, compute_dtype, simulated)
     header = {
         "build": cfg.name,
         "target": target.name,
         "quantization": {"mode": q.mode, "kv_cache_dtype": q.kv_cache_dtype, "group_size": q.group_size},
         "compute_dtype": compute_dtype,
-        "profile": profile_name(q.mode, q.kv_cache_dtype, compute_dtype),
+        "profile": profile_name(q.mode, q.kv_cache_dtype, compute_dtype, simulated),
         "dataset": evalset.origin,
         "num_samples": settings.num_samples,
         "max_new_tokens": settings.max_new_tokens,
