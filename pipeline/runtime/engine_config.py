@@ -341,3 +341,17 @@ def rope_type(scaling: dict[str, Any] | None) -> str:
     """The HF rope type of a rope_scaling dict (older configs name it `type`)."""
     scaling = scaling or {}
     return str(scaling.get("rope_type", scaling.get("type", "default")))
+
+
+def hf_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rotary_base, rotary_scaling) of an HF config.json, from transformers 5's `rope_parameters` or the
+    older `rope_theta` + `rope_scaling` pair; the scaling in the older form (no rope_theta inside), None for
+    plain RoPE."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict):
+        base = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        base = float(hf.get("rope_theta", 10000.0))
+        scaling = dict(hf.get("rope_scaling") or {})
+    return base, (scaling if scaling and rope_type(scaling) != "default" else None)

@@ -21,6 +21,7 @@ from pipeline.runtime.engine_config import (
     ROPE_TYPES,
     TOKENIZER_DIR,
     WEIGHTS_FILE,
+    hf_rope,
     model_config_from_dict,
     rope_type,
 )
@@ -133,21 +134,14 @@ def _reject_unsupported_features(hf: dict[str, Any], architecture: str) -> None:
 
 
 def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rotary_base, rotary_scaling) from either transformers 5's `rope_parameters` or the older
-    `rope_theta` + `rope_scaling` pair."""
-    params = hf.get("rope_parameters")
-    if isinstance(params, dict):
-        base = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    else:
-        base = float(hf.get("rope_theta", 10000.0))
-        scaling = dict(hf.get("rope_scaling") or {})
+    """hf_rope, refused when the torch runtime lacks the scaling type."""
+    base, scaling = hf_rope(hf)
     kind = rope_type(scaling)
     if kind not in ROPE_TYPES:
         raise UnsupportedModelError(
             f"RoPE scaling {kind!r} is not implemented by the torch runtime; supported: {', '.join(ROPE_TYPES)}"
         )
-    return base, (scaling if kind != "default" else None)
+    return base, scaling
 
 
 def _sliding_window(hf: dict[str, Any], architecture: str) -> int | None:

@@ -15,6 +15,7 @@ import torch
 
 from pipeline.errors import UnsupportedModelError
 from pipeline.quantize.modelopt.library import LOG_NAME, ModelOptLog
+from pipeline.runtime.engine_config import hf_rope
 from pipeline.sources.tokenizer import copy_tokenizer
 
 # HF architecture -> ModelOpt's decoder type (modelopt/torch/export/model_utils.py MODEL_NAME_TO_TYPE:
@@ -84,25 +85,11 @@ def complete_config(config: dict[str, Any], hf_config: dict[str, Any]) -> dict[s
     quantize.py sets them after exporting (quantize_by_modelopt.py, quantize_and_export): the RoPE base and
     scaling (the exporter reads `rope_theta`, which transformers 5 keeps inside `rope_parameters`, so it
     would fall back to 10000) and, for Qwen, `qwen_type`, which picks Qwen2 over the first Qwen."""
-    base, scaling = rope(hf_config)
+    base, scaling = hf_rope(hf_config)
     completed = {**config, "rotary_base": base, "rotary_scaling": scaling}
     if DECODER_TYPES[architecture(hf_config)] == "qwen":
         completed["qwen_type"] = str(hf_config.get("model_type", "qwen2"))
     return completed
-
-
-def rope(hf_config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rotary_base, rotary_scaling) from transformers 5's `rope_parameters` or the older `rope_theta` +
-    `rope_scaling`; the scaling in the older form (no rope_theta inside), None for plain RoPE."""
-    params = hf_config.get("rope_parameters")
-    if isinstance(params, dict):
-        base = float(params.get("rope_theta", hf_config.get("rope_theta", 10000.0)))
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    else:
-        base = float(hf_config.get("rope_theta", 10000.0))
-        scaling = dict(hf_config.get("rope_scaling") or {})
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    return base, (scaling if scaling and kind != "default" else None)
 
 
 def export_unified_hf_checkpoint(
