@@ -20,6 +20,7 @@ from pipeline.config.limits import length_limit_errors
 from pipeline.config.vocab import (
     BACKEND_KV_DTYPES,
     BACKEND_QUANT_MODES,
+    INT4_GROUP_SIZES,
     QUANT_ALGO,
     TRTLLM_PYTORCH_REFUSALS,
     TRTLLM_PYTORCH_SPECULATIVE_MODES,
@@ -519,8 +520,11 @@ def _check_backend_support(cfg: BuildConfig) -> None:
             f"quantization.activation_aware=true applies to mode=int8_wo on backend=torch, not mode={q.mode} on "
             f"backend={cfg.backend} (for activation-aware int4 use mode=int4_awq or int4_gptq)"
         )
-    if q.mode in ("int4_wo", "int4_awq", "int4_gptq", "w4a8_awq") and q.group_size not in (32, 64, 128):
-        raise ValueError(f"quantization.group_size={q.group_size} for mode={q.mode} must be 32, 64 or 128")
+    if q.mode in ("int4_wo", "int4_awq", "int4_gptq", "w4a8_awq") and q.group_size not in INT4_GROUP_SIZES:
+        raise ValueError(
+            f"quantization.group_size={q.group_size} for mode={q.mode} must be one of "
+            f"{', '.join(map(str, INT4_GROUP_SIZES))}"
+        )
     if q.tune.enabled and (cfg.backend, q.mode) not in TUNED_INT4_MODES:
         raise ValueError(
             f"quantization.tune.steps={q.tune.steps} block_steps={q.tune.block_steps} tunes int4 grids of the torch "

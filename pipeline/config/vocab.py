@@ -24,6 +24,8 @@ BACKEND_QUANT_MODES: dict[str, tuple[str, ...]] = {
     "trtllm": ("none", "int8_wo", "int4_wo", "int4_awq", "w4a8_awq", "int8_sq", "fp8", "fp8_pc_pt", "nvfp4"),
     "trtllm_pytorch": ("none", "int4_awq", "w4a8_awq", "fp8", "nvfp4"),
 }
+# Group sizes of the group-wise int4 formats (TensorRT-LLM's --group_size / ModelOpt's AWQ block).
+INT4_GROUP_SIZES: tuple[int, ...] = (32, 64, 128)
 # (backend, mode) pairs whose int4 grids quantization.tune can train (quantize/tune/).
 TUNED_INT4_MODES = (("torch", "int4_wo"), ("torch", "int4_awq"), ("torch", "int4_gptq"))
 BACKEND_KV_DTYPES: dict[str, tuple[str, ...]] = {

@@ -73,7 +73,7 @@ INVALID = [
     ({"source": {"kind": "hub", "path": None}}, "source.kind=hub needs source.repo_id"),
     (
         {"quantization": {"mode": "int4_wo", "group_size": 100}},
-        "quantization.group_size=100 for mode=int4_wo must be 32, 64 or 128",
+        "quantization.group_size=100 for mode=int4_wo must be one of 32, 64, 128",
     ),
     ({"speculative": {"mode": "draft_model"}}, "speculative.mode=draft_model needs speculative.draft_config"),
     ({"speculative": {"mode": "medusa"}}, "speculative.mode=medusa is a TensorRT-LLM mode"),

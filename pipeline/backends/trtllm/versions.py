@@ -180,12 +180,6 @@ def _builds_on(sm: int, min_sm: int, refused: tuple[int, int] | None) -> bool:
     return sm >= min_sm and not (refused and refused[0] <= sm <= refused[1])
 
 
-# Modes TensorRT-LLM quantizes through ModelOpt calibration (LLaMAForCausalLM.quantize); the weight-only
-# modes are converted directly by from_hugging_face.
-CALIBRATED_MODES: frozenset[str] = frozenset({"int4_awq", "w4a8_awq", "int8_sq", "fp8", "fp8_pc_pt", "nvfp4"})
-WEIGHT_ONLY_MODES: frozenset[str] = frozenset({"int8_wo", "int4_wo"})
-
-
 def sm_label(sm: int) -> str:
     return f"SM{sm} ({sm // 10}.{sm % 10})"
 

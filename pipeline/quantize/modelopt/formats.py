@@ -38,8 +38,6 @@ MODELOPT_MODES: frozenset[str] = frozenset(MODE_CONFIGS)
 # for the AWQ formats and NVFP4's fixed 16 (its FP8 scale per 16 values).
 GROUP_SIZE_MODES: frozenset[str] = frozenset({"int4_awq", "w4a8_awq"})
 NVFP4_BLOCK = 16
-# The group sizes the AWQ formats take (TensorRT-LLM's --awq_block_size choices as llmpipe's config allows).
-GROUP_SIZES: tuple[int, ...] = (32, 64, 128)
 # Modes TensorRT-LLM applies while converting (from_hugging_face), without calibration.
 CONVERT_MODES: frozenset[str] = frozenset({"int8_wo", "int4_wo", "fp8_pc_pt"})
 

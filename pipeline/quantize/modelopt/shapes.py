@@ -15,8 +15,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from pipeline.config.vocab import INT4_GROUP_SIZES
 from pipeline.errors import ConfigError, MissingArtifactError
-from pipeline.quantize.modelopt.formats import GROUP_SIZE_MODES, GROUP_SIZES, NVFP4_BLOCK, block_size
+from pipeline.quantize.modelopt.formats import GROUP_SIZE_MODES, NVFP4_BLOCK, block_size
 
 
 def input_features(hf_config: dict[str, Any]) -> dict[str, int]:
@@ -59,13 +60,13 @@ def check_shapes(hf_config: dict[str, Any], mode: str, group_size: int, tp_size:
             f" / parallel.tp_size={tp_size} = {share} per rank" if tp_size > 1 else ""
         )
         if mode in GROUP_SIZE_MODES:
-            fits = _dividing([size // tp_size for size in dims.values()], GROUP_SIZES)
+            fits = _dividing([size // tp_size for size in dims.values()], INT4_GROUP_SIZES)
             raise ConfigError(
                 f"quantization.group_size={group_size} does not divide the model's {where} "
                 f"(mode={mode} quantizes every layer's input features in groups of that size)",
                 hint=f"group sizes that fit: {', '.join(map(str, fits))}"
                 if fits
-                else f"none of {', '.join(map(str, GROUP_SIZES))} fits; lower parallel.tp_size or use mode=fp8 / int8_sq",
+                else f"none of {', '.join(map(str, INT4_GROUP_SIZES))} fits; lower parallel.tp_size or use mode=fp8 / int8_sq",
             )
         raise ConfigError(
             f"quantization.mode={mode} quantizes in blocks of {NVFP4_BLOCK}, which do not divide the model's {where}",
