@@ -3,6 +3,9 @@ the tiny random Llama."""
 
 from __future__ import annotations
 
+import json
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -72,10 +75,22 @@ def serve_tiny(
         yield server
 
 
+def post_generate(http_url: str, model: str, body: dict[str, Any]) -> tuple[int, str]:
+    """POST Triton's /v2/models/<model>/generate; (HTTP status, response body text), errors included."""
+    request = urllib.request.Request(
+        f"http://{http_url}/v2/models/{model}/generate",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            return reply.status, reply.read().decode("utf-8", "replace")
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode("utf-8", "replace")
+
+
 def scrape_metrics(metrics_url: str) -> dict[str, float]:
     """Every sample on a Prometheus endpoint: 'family{labels}' -> value."""
-    import urllib.request
-
     with urllib.request.urlopen(metrics_url, timeout=10) as reply:
         text = reply.read().decode()
     return {

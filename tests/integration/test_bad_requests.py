@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import queue
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +20,7 @@ from pipeline.runtime.engine.llm_engine import LLMEngine
 from pipeline.serving.client import GenerationOptions, GrpcClient, HttpClient
 from pipeline.serving.server.launcher import TritonServer
 from pipeline.serving.triton_models.tokenization import PromptEncoder
+from tests.serving_helpers import post_generate
 
 pytestmark = pytest.mark.triton
 
@@ -87,17 +86,10 @@ def _grpc_error(server: TritonServer, model: str, tensors: dict[str, np.ndarray]
 
 def _http_error(server: TritonServer, model: str, body: dict[str, Any]) -> str:
     """POST /generate; the 'HTTP <code>: <error>' it answered (fails on success)."""
-    request = urllib.request.Request(
-        f"http://{server.http_url}/v2/models/{model}/generate",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=60) as reply:
-            raise AssertionError(f"{model} accepted {body}: {reply.read()[:200]!r}")
-    except urllib.error.HTTPError as err:
-        detail = err.read().decode("utf-8", "replace")
-        return f"HTTP {err.code}: {json.loads(detail).get('error', detail)}"
+    status, detail = post_generate(server.http_url, model, body)
+    if status == 200:
+        raise AssertionError(f"{model} accepted {body}: {detail[:200]!r}")
+    return f"HTTP {status}: {json.loads(detail).get('error', detail)}"
 
 
 E, B, T = "ensemble", "tensorrt_llm_bls", "tensorrt_llm"

@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import queue
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from pipeline.serving.server.launcher import TritonServer
 from pipeline.serving.triton_models.tokenization import PromptEncoder
-from tests.serving_helpers import MULTIBYTE_PROMPT, metric, scrape_metrics, serve_tiny
+from tests.serving_helpers import MULTIBYTE_PROMPT, metric, post_generate, scrape_metrics, serve_tiny
 
 pytestmark = [pytest.mark.triton, pytest.mark.usefixtures("one_torch_thread")]
 PROMPTS = ("The quick brown fox", MULTIBYTE_PROMPT)
@@ -70,16 +68,9 @@ def server(
 
 def _generate(server: TritonServer, body: dict[str, Any]) -> dict[str, Any]:
     """POST /v2/models/tensorrt_llm/generate; the response JSON, or {"error": ..., "status": ...}."""
-    request = urllib.request.Request(
-        f"http://{server.http_url}/v2/models/tensorrt_llm/generate",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=60) as reply:
-            return dict(json.loads(reply.read()))
-    except urllib.error.HTTPError as err:
-        return {**json.loads(err.read()), "status": err.code}
+    status, text = post_generate(server.http_url, "tensorrt_llm", body)
+    reply = dict(json.loads(text))
+    return reply if status == 200 else {**reply, "status": status}
 
 
 class Stream:
