@@ -209,6 +209,29 @@ def _check_range(name: str, value: float | int, ok: bool, limit: str) -> None:
         raise InvalidInputError(name, value, limit)
 
 
+def check_output_len(name: str, max_tokens: float | int, prompt_len: int, limits: RequestLimits) -> None:
+    """`name` (the interface's output-length input) is at least 1 and fits max_seq_len with the prompt."""
+    _check_range(name, max_tokens, max_tokens >= 1, "must be >= 1")
+    _check_range(
+        name,
+        max_tokens,
+        prompt_len + max_tokens <= limits.max_seq_len,
+        f"prompt ({prompt_len} tokens) + {name} exceeds the engine's max_seq_len={limits.max_seq_len}; "
+        f"ask for at most {limits.max_seq_len - prompt_len}",
+    )
+
+
+def check_streamable(streaming: bool, decoupled: bool, instead: str) -> None:
+    """A stream needs a decoupled deployment; `instead`: how the client turns streaming off."""
+    if streaming and not decoupled:
+        raise InvalidInputError(
+            "streaming",
+            True,
+            f"this deployment is not decoupled and cannot stream: send {instead}, or package with "
+            "serving.decoupled=true",
+        )
+
+
 def _sampling(inputs: Inputs) -> tuple[float, int, float]:
     """TensorRT-LLM's convention: no top_k/top_p/temperature -> greedy; top_k=0 and top_p=0 -> greedy."""
     top_k, top_p, temperature = (scalar(inputs, n) for n in SAMPLING_INPUTS)
@@ -269,14 +292,7 @@ def parse_engine_request(
     max_tokens = scalar(inputs, "request_output_len")
     if max_tokens is None:
         raise InvalidInputError("request_output_len", None, "required: how many tokens to generate")
-    _check_range("request_output_len", max_tokens, max_tokens >= 1, "must be >= 1")
-    _check_range(
-        "request_output_len",
-        max_tokens,
-        len(prompt) + max_tokens <= limits.max_seq_len,
-        f"prompt ({len(prompt)} tokens) + request_output_len exceeds the engine's "
-        f"max_seq_len={limits.max_seq_len}; ask for at most {limits.max_seq_len - len(prompt)}",
-    )
+    check_output_len("request_output_len", max_tokens, len(prompt), limits)
     _refuse_beyond_default(inputs)
     min_tokens = _aliased(inputs, "min_length") or 0
     _check_range("min_tokens", min_tokens, 0 <= min_tokens <= max_tokens, f"must be in [0, {max_tokens}]")
@@ -294,13 +310,7 @@ def parse_engine_request(
     if seed is not None:
         _check_range("seed", seed, seed >= 0, "must be >= 0")
     streaming = bool(scalar(inputs, "streaming") or False)
-    if streaming and not decoupled:
-        raise InvalidInputError(
-            "streaming",
-            True,
-            "this deployment is not decoupled and cannot stream: "
-            "send stream=false, or package with serving.decoupled=true",
-        )
+    check_streamable(streaming, decoupled, "stream=false")
     exclude = scalar(inputs, "exclude_input_in_output")
     temperature, top_k, top_p = _sampling(inputs)
     repetition, presence, frequency = _penalties(inputs)

@@ -40,6 +40,8 @@ from pipeline.serving.triton_models.io import (
     InvalidInputError,
     RequestLimits,
     StopRequest,
+    check_output_len,
+    check_streamable,
     scalar,
     speculative_outputs,
 )
@@ -168,23 +170,9 @@ def parse_llmapi_request(
     prompt = _prompt(inputs, encoder)
     max_tokens = scalar(inputs, "sampling_param_max_tokens")
     max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else int(max_tokens)
-    if max_tokens < 1:
-        raise InvalidInputError("sampling_param_max_tokens", max_tokens, "must be >= 1")
-    if len(prompt) + max_tokens > limits.max_seq_len:
-        raise InvalidInputError(
-            "sampling_param_max_tokens",
-            max_tokens,
-            f"prompt ({len(prompt)} tokens) + sampling_param_max_tokens exceeds the engine's "
-            f"max_seq_len={limits.max_seq_len}; ask for at most {limits.max_seq_len - len(prompt)}",
-        )
+    check_output_len("sampling_param_max_tokens", max_tokens, len(prompt), limits)
     streaming = _flag(inputs, "streaming")
-    if streaming and not decoupled:
-        raise InvalidInputError(
-            "streaming",
-            True,
-            "this deployment is not decoupled and cannot stream: send streaming=false, or package with "
-            "serving.decoupled=true",
-        )
+    check_streamable(streaming, decoupled, "streaming=false")
     seed = scalar(inputs, "sampling_param_seed")
     temperature, top_k, top_p = _sampling(inputs)
     stop_words = _stop_words(inputs, encoder)
