@@ -38,6 +38,9 @@ def run(
         raise MissingArtifactError(
             "validate needs the fetched checkpoint", hint="Run `llmpipe fetch CONFIG` first."
         )
+    simulated = endpoint is None and "quantize" in inputs
+    if simulated:  # before the models load: a format that cannot be simulated fails at once
+        require_simulation(cfg)
     evalset = load_eval_set(cfg.validation.dataset)
     reference = ReferenceModel(checkpoint_dir(inputs["fetch"]))
     engine_input = inputs.get("engine")
@@ -47,10 +50,9 @@ def run(
         from pipeline.validate.endpoint import EndpointTarget
 
         target = EndpointTarget(endpoint)
-    elif "quantize" in inputs:
+    elif simulated:
         from pipeline.validate.simulated import SimulatedTarget
 
-        require_simulation(cfg)
         target = SimulatedTarget(
             checkpoint_dir(inputs["fetch"]), inputs["quantize"].dir, cfg.engine.max_input_len
         )
@@ -66,7 +68,6 @@ def run(
     settings = Settings(cfg.validation.num_samples, cfg.validation.max_new_tokens)
     measurement = measure(evalset, reference, target, settings)
     q = cfg.quantization
-    simulated = "quantize" in inputs and endpoint is None
     gates = resolve_gates(cfg.validation.thresholds, q.mode, q.kv_cache_dtype, compute_dtype, simulated)
     header = {
         "build": cfg.name,

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 from pipeline.backends.trtllm import versions as engine_route
 
-PINNED = "1.1.0"
-PINNED_CONTAINER = "nvcr.io/nvidia/tritonserver:25.12-trtllm-python-py3"
+# The engine route's pin: one release (and container) carries both routes.
+PINNED = engine_route.PINNED
+PINNED_CONTAINER = engine_route.PINNED_CONTAINER
 # The TensorRT-LLM commit release 1.1.0's documentation was generated from (footer of its gh-pages pages).
 SOURCE_COMMIT = "48b7b5d"
 
@@ -70,7 +71,6 @@ ROUTES: dict[str, Route] = {
 GPU_RANGE_FOR_QUANT: dict[str, tuple[int, int | None]] = {
     "none": (80, None),
     "fp8": (89, None),  # FP8 per tensor: Ada, Hopper, Blackwell
-    "fp8_pc_pt": (90, 90),  # FP8 rowwise: Hopper only
     "int4_awq": (80, 90),  # W4A16 AWQ: Ampere, Ada, Hopper (not Blackwell)
     "w4a8_awq": (89, 90),  # W4A8 AWQ: Ada, Hopper
     "nvfp4": (100, None),  # Blackwell

@@ -10,7 +10,6 @@ stays unquantized.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 from pipeline.config.vocab import INT4_GROUP_SIZES
 from pipeline.errors import ConfigError, MissingArtifactError
 from pipeline.quantize.modelopt.formats import GROUP_SIZE_MODES, NVFP4_BLOCK, block_size
+from pipeline.util.files import read_json_object
 
 
 def input_features(hf_config: dict[str, Any]) -> dict[str, int]:
@@ -35,8 +35,7 @@ def read_hf_config(hf_dir: Path) -> dict[str, Any]:
     path = Path(hf_dir) / "config.json"
     if not path.is_file():
         raise MissingArtifactError(f"no HF checkpoint at {hf_dir}", hint="Run `llmpipe fetch CONFIG` first.")
-    config: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
-    return config
+    return read_json_object(path)
 
 
 def check_shapes(hf_config: dict[str, Any], mode: str, group_size: int, tp_size: int) -> None:

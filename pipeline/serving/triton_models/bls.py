@@ -28,7 +28,6 @@ from pipeline.serving.triton_models import triton_utils as tu
 from pipeline.serving.triton_models.detokenizer import IncrementalDetokenizer
 from pipeline.serving.triton_models.io import (
     BLS_INPUTS,
-    ENGINE_OUTPUTS,
     LOG_PROB_OUTPUTS,
     SPEC_OUTPUTS,
     InvalidInputError,
@@ -170,7 +169,7 @@ class TextAssembler:
         if not self.plan.streaming:
             return None
         text = self.detok.add(tokens)
-        return self._outputs(text, self._unsent_log_probs()) if text else None
+        return self._outputs(text) if text else None
 
     def finish(self) -> dict[str, np.ndarray]:
         """The last response: the held-back rest of a stream, or the whole text of a non-streaming request."""
@@ -180,7 +179,7 @@ class TextAssembler:
             text = self.detok.add(self.token_ids) + self.detok.flush()
         else:  # the engine returned prompt + output tokens: decode them like postprocessing does
             text = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special_tokens)
-        outputs = self._outputs(text, self._unsent_log_probs())
+        outputs = self._outputs(text)
         if self.plan.return_perf_metrics:
             outputs.update(self.speculative)
         return outputs
@@ -191,12 +190,12 @@ class TextAssembler:
         unsent, self.num_streamed_log_probs = every[self.num_streamed_log_probs :], every.size
         return unsent
 
-    def _outputs(self, text: str, log_probs: np.ndarray) -> dict[str, np.ndarray]:
+    def _outputs(self, text: str) -> dict[str, np.ndarray]:
         # text_output is flat, [batch * beam] = [1], as upstream's postprocessing and BLS return it.
         outputs = {"text_output": tu.string_array([text], (1,))}
-        if self.plan.return_log_probs:
+        if self.plan.return_log_probs:  # only then are the log-probs gathered
             outputs["cum_log_probs"] = self.cum_log_probs
-            outputs["output_log_probs"] = log_probs.reshape(1, 1, -1)
+            outputs["output_log_probs"] = self._unsent_log_probs().reshape(1, 1, -1)
         return outputs
 
 
@@ -208,9 +207,10 @@ class EngineCallError(Exception):
         self.invalid_argument = "input '" in message  # the engine named a bad input: the client's mistake
 
 
-def _as_numpy(response: Any) -> dict[str, np.ndarray]:
+def _as_numpy(response: Any, names: Sequence[str]) -> dict[str, np.ndarray]:
+    """The outputs among `names` (those the request asked for) that the response carries."""
     found = {}
-    for name in ENGINE_OUTPUTS:
+    for name in names:
         tensor = pb_utils.get_output_tensor_by_name(response, name)
         if tensor is not None:
             found[name] = tensor.as_numpy()
@@ -322,7 +322,7 @@ class BlsModel:
                 continue  # drain: the engine ends the stream with its response to the abort
             if response.has_error():
                 raise EngineCallError(self.engine_model, response.error().message())
-            engine = _as_numpy(response)
+            engine = _as_numpy(response, outputs)
             if "output_ids" not in engine:
                 continue
             delta = assembler.add(engine)
@@ -339,7 +339,7 @@ class BlsModel:
         for response in self._responses(self._engine_request(inputs, f"bls-{uuid.uuid4().hex}", model)):
             if response.has_error():
                 raise EngineCallError(model, response.error().message())
-            found.update(_as_numpy(response))
+            found.update(_as_numpy(response, _TEXT_OUTPUTS))
         return found
 
     def _generate_draft_target(self, plan: BlsPlan, num_draft_tokens: int, sender: Any) -> None:

@@ -278,7 +278,7 @@ class LlmApiState(RequestState):
         if self.request.return_stop_reason:
             outputs["stop_reason"] = tu.string_array([str(stop_reason)], (1,))
         if self.request.return_cumulative_logprob:
-            outputs["cumulative_logprob"] = np.array([math.fsum(self.logprobs)], dtype=np.float32)
+            outputs["cumulative_logprob"] = np.array([self.logprob_sum], dtype=np.float32)
         return outputs
 
     def _perf_outputs(self, output: RequestOutput) -> dict[str, np.ndarray]:

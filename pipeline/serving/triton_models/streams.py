@@ -69,6 +69,7 @@ class RequestState:
         self.deadline = None if timeout_s is None else self.arrival_time + timeout_s
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
+        self.logprob_sum = 0.0  # of self.logprobs, kept as they arrive (streams report it every chunk)
         self.num_sent = 0
         self.cum_sent_logprob = 0.0
         self.last_token_time: float | None = None
@@ -97,6 +98,7 @@ class RequestState:
         now = time.monotonic() if now is None else now
         self.token_ids += output.new_token_ids
         self.logprobs += output.new_logprobs
+        self.logprob_sum += sum(output.new_logprobs)
         if output.error is not None or output.finish_reason == "error":
             reply = Reply(
                 None, final=True, error=f"request failed in the engine: {output.error or 'unknown error'}"
