@@ -156,6 +156,12 @@ def split_rows(inputs: Inputs, *, decoupled: bool) -> list[dict[str, np.ndarray]
 _TYPE_NAMES = {"i": "INT32", "u": "UINT64", "f": "FP32", "b": "BOOL"}
 
 
+def flag(inputs: Inputs, name: str, default: bool = False) -> bool:
+    """A BOOL `dims: [1]` input, or `default` when the client did not send it."""
+    value = scalar(inputs, name)
+    return default if value is None else bool(value)
+
+
 def scalar(inputs: Inputs, name: str) -> float | int | bool | None:
     """The single value of a `dims: [1]` input, or None when the client did not send it."""
     array = _array(inputs, name)
@@ -309,7 +315,7 @@ def parse_engine_request(
     seed = _aliased(inputs, "random_seed")
     if seed is not None:
         _check_range("seed", seed, seed >= 0, "must be >= 0")
-    streaming = bool(scalar(inputs, "streaming") or False)
+    streaming = flag(inputs, "streaming")
     check_streamable(streaming, decoupled, "stream=false")
     exclude = scalar(inputs, "exclude_input_in_output")
     temperature, top_k, top_p = _sampling(inputs)

@@ -42,11 +42,12 @@ from pipeline.serving.triton_models.io import (
     StopRequest,
     check_output_len,
     check_streamable,
+    flag,
     scalar,
     speculative_outputs,
 )
 from pipeline.serving.triton_models.streams import Reply, RequestState, ResponseGroup
-from pipeline.serving.triton_models.tokenization import PromptEncoder, decode_text
+from pipeline.serving.triton_models.tokenization import PromptEncoder, decode_words
 
 Inputs = Mapping[str, np.ndarray]
 
@@ -89,16 +90,6 @@ class LlmApiRequest(EngineRequest):
     return_cumulative_logprob: bool = False
 
 
-def _flag(inputs: Inputs, name: str, default: bool = False) -> bool:
-    value = scalar(inputs, name)
-    return default if value is None else bool(value)
-
-
-def _strings(inputs: Inputs, name: str) -> list[str]:
-    raw = inputs.get(name)
-    return [] if raw is None else [decode_text(name, item) for item in np.asarray(raw).reshape(-1)]
-
-
 def _refuse_unsupported(inputs: Inputs) -> None:
     for name, why in REFUSED.items():
         if name in inputs and np.asarray(inputs[name]).size:
@@ -106,7 +97,7 @@ def _refuse_unsupported(inputs: Inputs) -> None:
     for name, (default, why) in UNSUPPORTED_AT_DEFAULT.items():
         if name not in inputs:
             continue
-        value = _strings(inputs, name)[0] if isinstance(default, str) else scalar(inputs, name)
+        value = decode_words(name, inputs.get(name))[0] if isinstance(default, str) else scalar(inputs, name)
         if value != default:
             raise InvalidInputError(name, value, why)
 
@@ -140,12 +131,12 @@ def _prompt(inputs: Inputs, encoder: PromptEncoder) -> list[int]:
         raise InvalidInputError(
             "text_input", f"{np.asarray(texts).size} prompts", "send one prompt per request"
         )
-    return encoder.encode_prompt(_strings(inputs, "text_input")[0])
+    return encoder.encode_prompt(decode_words("text_input", inputs.get("text_input"))[0])
 
 
 def _stop_words(inputs: Inputs, encoder: PromptEncoder) -> tuple[tuple[str, tuple[int, ...]], ...]:
     words = []
-    for word in _strings(inputs, "sampling_param_stop"):
+    for word in decode_words("sampling_param_stop", inputs.get("sampling_param_stop")):
         if not word:
             continue
         ids = encoder.encode_word(word)
@@ -164,19 +155,19 @@ def parse_llmapi_request(
     decoupled: bool,
 ) -> LlmApiRequest | StopRequest:
     """Validate an llmapi request; raises InvalidInputError naming the input, its value and the limit."""
-    if _flag(inputs, "stop"):
+    if flag(inputs, "stop"):
         return StopRequest()
     _refuse_unsupported(inputs)
     prompt = _prompt(inputs, encoder)
     max_tokens = scalar(inputs, "sampling_param_max_tokens")
     max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else int(max_tokens)
     check_output_len("sampling_param_max_tokens", max_tokens, len(prompt), limits)
-    streaming = _flag(inputs, "streaming")
+    streaming = flag(inputs, "streaming")
     check_streamable(streaming, decoupled, "streaming=false")
     seed = scalar(inputs, "sampling_param_seed")
     temperature, top_k, top_p = _sampling(inputs)
     stop_words = _stop_words(inputs, encoder)
-    return_cumulative_logprob = _flag(inputs, "return_cumulative_logprob")
+    return_cumulative_logprob = flag(inputs, "return_cumulative_logprob")
     try:
         params = SamplingParams(
             max_tokens=max_tokens,
@@ -199,12 +190,12 @@ def parse_llmapi_request(
         prompt,
         params,
         streaming,
-        _flag(inputs, "sampling_param_exclude_input_from_output", default_exclude_input),
-        return_perf_metrics=_flag(inputs, "sampling_param_return_perf_metrics"),
+        flag(inputs, "sampling_param_exclude_input_from_output", default_exclude_input),
+        return_perf_metrics=flag(inputs, "sampling_param_return_perf_metrics"),
         stop_words=stop_words,
         end_ids=tuple(encoder.end_ids),
-        return_finish_reason=_flag(inputs, "return_finish_reason"),
-        return_stop_reason=_flag(inputs, "return_stop_reason"),
+        return_finish_reason=flag(inputs, "return_finish_reason"),
+        return_stop_reason=flag(inputs, "return_stop_reason"),
         return_cumulative_logprob=return_cumulative_logprob,
     )
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from pipeline.serving.triton_models import triton_utils as tu
 from pipeline.serving.triton_models.io import InvalidInputError
-from pipeline.serving.triton_models.tokenization import PromptEncoder, decode_text
+from pipeline.serving.triton_models.tokenization import PromptEncoder, decode_text, decode_words
 
 INPUTS = (
     "QUERY", "REQUEST_OUTPUT_LEN", "BAD_WORDS_DICT", "STOP_WORDS_DICT", "END_ID", "PAD_ID", "DECODER_QUERY",
@@ -33,10 +33,6 @@ def _rows(array: np.ndarray | None, batch: int, name: str) -> list[Any]:
             name, f"batch of {array.shape[0]}", f"must match text_input's batch of {batch}"
         )
     return list(array)
-
-
-def _words(name: str, row: np.ndarray | None) -> list[str]:
-    return [] if row is None else [decode_text(name, w) for w in np.asarray(row).reshape(-1)]
 
 
 def _pad(rows: list[list[int]], value: int) -> np.ndarray:
@@ -82,7 +78,7 @@ def _embedding_bias(
     vocab = len(encoder.tokenizer)
     out = np.zeros((batch, vocab), dtype=np.float32)
     for row, (row_words, row_weights) in enumerate(zip(words, weights, strict=True)):
-        texts = _words("embedding_bias_words", row_words)
+        texts = decode_words("embedding_bias_words", row_words)
         values = np.asarray(row_weights, dtype=np.float32).reshape(-1)
         if len(texts) != values.size:
             raise InvalidInputError(
@@ -120,9 +116,11 @@ def preprocess(
         prompts.append(encoder.encode_prompt(text, chat=chat))
         client_end = None if end_row is None else int(np.asarray(end_row).reshape(-1)[0])
         stops.append(
-            encoder.word_list(_words("stop_words", stop_row), encoder.default_stop_sequences(client_end))
+            encoder.word_list(
+                decode_words("stop_words", stop_row), encoder.default_stop_sequences(client_end)
+            )
         )
-        bads.append(encoder.word_list(_words("bad_words", bad_row)))
+        bads.append(encoder.word_list(decode_words("bad_words", bad_row)))
         end_ids.append(encoder.end_id if client_end is None else client_end)
         pad_ids.append(encoder.pad_id if pad_row is None else int(np.asarray(pad_row).reshape(-1)[0]))
     return {

@@ -102,6 +102,11 @@ def decode_text(name: str, raw: object) -> str:
         ) from None
 
 
+def decode_words(name: str, row: object) -> list[str]:
+    """Every string of a (possibly absent) BYTES input, decoded as `decode_text` does."""
+    return [] if row is None else [decode_text(name, w) for w in np.asarray(row).reshape(-1)]
+
+
 @dataclass
 class PromptEncoder:
     """What preprocessing and the BLS share: prompt text -> ids, word strings -> word lists, end/pad ids."""
