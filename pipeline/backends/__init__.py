@@ -28,7 +28,8 @@ _STEPS: dict[str, dict[str, str]] = {
     "trtllm_pytorch": {
         "convert": "pipeline.backends.trtllm_pytorch.convert:convert",
         "quantize": "pipeline.backends.trtllm_pytorch.quantize:quantize",
-        "quantize_data_files": "pipeline.backends.trtllm_pytorch.quantize:data_files",
+        # the same calibration inputs as the engine route (both calibrate with ModelOpt)
+        "quantize_data_files": "pipeline.backends.trtllm.quantize:data_files",
         "build": "pipeline.backends.trtllm_pytorch.build:build",
         "plan": "pipeline.backends.trtllm_pytorch.plan:plan",
     },

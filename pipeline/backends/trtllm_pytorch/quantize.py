@@ -17,15 +17,6 @@ from typing import Any
 from pipeline.backends.trtllm_pytorch.checkpoint import HF_QUANT_CONFIG, quant_algos
 from pipeline.config.build_config import BuildConfig
 from pipeline.errors import UnsupportedModelError
-from pipeline.quantize.calibration import data_files as dataset_data_files
-
-
-def data_files(cfg: BuildConfig) -> dict[str, Path]:
-    """The calibration text a quantizing build reads: its contents key the stage's reuse."""
-    q = cfg.quantization
-    if q.mode == "none" and q.kv_cache_dtype == "auto":
-        return {}
-    return dataset_data_files("calibration", q.calibration.dataset)
 
 
 def quantize(cfg: BuildConfig, ckpt_dir: Path, out_dir: Path, hf_dir: Path | None = None) -> dict[str, Any]:
