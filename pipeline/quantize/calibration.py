@@ -250,7 +250,7 @@ def _forward(
 
 def load_block(block: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     """Copy one block's runtime-layout tensors into its HF modules (splitting the fused ones)."""
-    from pipeline.runtime.model.weight_names import LAYER_WEIGHTS, QKV_BIAS_WEIGHTS
+    from pipeline.architectures.weight_map import LAYER_WEIGHTS, QKV_BIAS_WEIGHTS
 
     for runtime, sources in {**LAYER_WEIGHTS, **QKV_BIAS_WEIGHTS}.items():
         if runtime in tensors:

@@ -4,9 +4,6 @@ tokenizer files) that `convert` reads."""
 
 from __future__ import annotations
 
-# The architectures the runtime implements; `convert` and `inspect_local_checkpoint` reject others.
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-
 # Files a fast tokenizer (plus its chat template) can come from; any present are carried along.
 TOKENIZER_FILES: tuple[str, ...] = (
     "tokenizer.json",

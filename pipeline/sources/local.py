@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.architectures import SUPPORTED_ARCHITECTURES
 from pipeline.errors import MissingArtifactError, UnsupportedModelError
-from pipeline.sources import PICKLE_WEIGHTS, SAFETENSORS_WEIGHTS, SUPPORTED_ARCHITECTURES, TOKENIZER_FILES
+from pipeline.sources import PICKLE_WEIGHTS, SAFETENSORS_WEIGHTS, TOKENIZER_FILES
 from pipeline.util.files import read_json_object
 
 # Weight-like files outside the HF naming, named in the "no weights" error so the user sees why.

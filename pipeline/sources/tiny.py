@@ -1,4 +1,4 @@
-"""Tiny random-weight checkpoints (llama, qwen2, mistral) with a real byte-level BPE tokenizer, built
+"""Tiny random-weight checkpoints of every supported architecture, features switched on, with a real byte-level BPE tokenizer, built
 offline in seconds for tests: same arguments -> byte-identical files."""
 
 from __future__ import annotations
@@ -10,17 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import (
-    GenerationConfig,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    PreTrainedTokenizerFast,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
+from transformers import GenerationConfig, PreTrainedTokenizerFast
 
 from pipeline.errors import ConfigError
 
@@ -56,11 +48,52 @@ CHAT_TEMPLATE = (
 # 1e-6 numerical difference can flip a greedy token. std 0.2 spreads them out (see make_tiny_checkpoint).
 INIT_STD = 0.2
 
-ARCHITECTURES: dict[str, tuple[type, type]] = {
-    "llama": (LlamaConfig, LlamaForCausalLM),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-    "mistral": (MistralConfig, MistralForCausalLM),
-}
+# Tiny model name -> (HF config class, HF model class, the config values that switch its features on).
+# Windows are shorter than the test prompts, MoE layers pick several experts, RoPE variants are non-trivial.
+ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    # No window: a window shorter than the context would make parity tests depend on it.
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    "llama-bias-yarn": ("LlamaConfig", "LlamaForCausalLM", {
+        "attention_bias": True,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                            "original_max_position_embeddings": 256},
+    }),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 24}),
+    "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+        "num_hidden_layers": 3, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+        "norm_topk_prob": False, "mlp_only_layers": [1],
+    }),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {
+        "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None,
+    }),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {
+        "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 24,
+        "layer_types": ["sliding_attention", "full_attention"], "attn_logit_softcapping": 5.0,
+        "final_logit_softcapping": 3.0,
+    }),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
+        "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 24,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0},
+        },
+    }),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {
+        "max_position_embeddings": 2048, "original_max_position_embeddings": 1024,
+        "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                            "short_factor": [1.0, 1.1, 1.3, 1.6], "long_factor": [2.0, 3.0, 4.0, 5.0],
+                            "original_max_position_embeddings": 1024},
+    }),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {
+        "embedding_multiplier": 3.0, "residual_multiplier": 0.5, "logits_scaling": 2.0,
+        "attention_multiplier": 0.2,
+    }),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {"no_rope_layers": [1, 0]}),
+}  # fmt: skip
 
 
 def corpus_files() -> list[Path]:
@@ -100,28 +133,25 @@ def train_tokenizer(files: Sequence[Path], vocab_size: int = 2000) -> PreTrained
 def tiny_config(arch: str, tokenizer: PreTrainedTokenizerFast, init_std: float = INIT_STD) -> Any:
     if arch not in ARCHITECTURES:
         raise ConfigError(f"tiny model arch {arch!r} is not one of {', '.join(ARCHITECTURES)}")
-    config_class, _ = ARCHITECTURES[arch]
-    extra: dict[str, Any] = {}
-    if arch == "mistral":
-        # No window: a window shorter than the context would make parity tests depend on it.
-        extra["sliding_window"] = None
-    return config_class(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        max_position_embeddings=1024,
+    config_class, _, features = ARCHITECTURES[arch]
+    values: dict[str, Any] = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "max_position_embeddings": 1024,
         # Qwen2 checkpoints tie lm_head to the embeddings; Llama/Mistral ones mostly do not: cover both.
-        tie_word_embeddings=arch == "qwen2",
-        initializer_range=init_std,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        dtype="float32",
-        **extra,
-    )
+        "tie_word_embeddings": arch in ("qwen2", "gemma2", "gemma3", "smollm3"),
+        "initializer_range": init_std,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "dtype": "float32",
+        **features,
+    }
+    return getattr(transformers, config_class)(**values)
 
 
 def init_weights(model: torch.nn.Module, seed: int, std: float) -> None:
@@ -149,8 +179,7 @@ def make_tiny_checkpoint(
     started = time.perf_counter()
     tokenizer = train_tokenizer(corpus if corpus is not None else corpus_files(), vocab_size)
     config = tiny_config(arch, tokenizer, init_std)
-    _, model_class = ARCHITECTURES[arch]
-    model = model_class(config)
+    model = getattr(transformers, ARCHITECTURES[arch][1])(config)
     init_weights(model, seed, init_std)
 
     out_dir = Path(out_dir)
@@ -160,7 +189,7 @@ def make_tiny_checkpoint(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
     ).save_pretrained(out_dir)
     return {
-        "architecture": model_class.__name__,
+        "architecture": type(model).__name__,
         "num_params": sum(p.numel() for p in model.parameters()),
         "vocab_size": config.vocab_size,
         "tied_embeddings": config.tie_word_embeddings,

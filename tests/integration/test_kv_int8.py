@@ -28,7 +28,8 @@ from pipeline.runtime.engine.engine_args import RunnerArgs
 from pipeline.runtime.engine.llm_engine import LLMEngine
 from pipeline.runtime.engine_config import model_config_from_dict
 from pipeline.runtime.kernels import ops as kernels
-from pipeline.runtime.model.layers import KernelAttention, TorchAttention, rotary_cos_sin
+from pipeline.runtime.model.attention import KernelAttention, LayerAttention, TorchAttention
+from pipeline.runtime.model.rope import rotary_cos_sin
 from pipeline.runtime.worker.attn_metadata import SequenceChunk, build_attention_metadata
 from pipeline.runtime.worker.kv_cache import KVCache, bytes_per_block, num_kv_blocks
 from pipeline.runtime.worker.kv_quant import dequantize_kv, quantize_kv
@@ -77,7 +78,7 @@ def test_kernel_and_torch_path_agree_on_the_int8_cache(head_dim: int, window: in
         SequenceChunk(30, 1, tables[8:16]),
         SequenceChunk(3, 1, tables[16:17]),
     ]
-    cos_sin = rotary_cos_sin(config, 256)
+    layers = [LayerAttention(rotary_cos_sin(config, 256), window)]
     generator = torch.Generator().manual_seed(1)
     start_values = torch.randint(-127, 128, (1, 2, num_blocks * block_size, 2, head_dim), generator=generator)
     start_scales = torch.rand(1, 2, num_blocks * block_size, 2, generator=generator) * 0.05
@@ -91,11 +92,11 @@ def test_kernel_and_torch_path_agree_on_the_int8_cache(head_dim: int, window: in
         cache.storage.copy_(start_values)
         cache.scales.copy_(start_scales)
         meta = build_attention_metadata(
-            chunks, block_size, torch.device("cpu"), padded=not use_kernel, sliding_window=window
+            chunks, block_size, torch.device("cpu"), padded=not use_kernel, windows=(window,)
         )
         qkv = qkv_in[: meta.num_tokens].clone()
         attention = (
-            KernelAttention(cache, config, cos_sin) if use_kernel else TorchAttention(cache, config, cos_sin)
+            KernelAttention(cache, config, layers) if use_kernel else TorchAttention(cache, config, layers)
         )
         attention.begin_step(meta)
         results.append((attention(0, qkv, meta), cache.storage.clone(), cache.scales.clone()))

@@ -22,8 +22,9 @@ from pipeline.runtime.engine.engine_args import RunnerArgs
 from pipeline.runtime.engine.llm_engine import LLMEngine
 from pipeline.runtime.engine_config import model_config_from_dict
 from pipeline.runtime.kernels import ops as kernels
+from pipeline.runtime.model.attention import KernelAttention, LayerAttention, TorchAttention
 from pipeline.runtime.model.greedy_head import GreedyLMHead
-from pipeline.runtime.model.layers import KernelAttention, TorchAttention, rotary_cos_sin
+from pipeline.runtime.model.rope import rotary_cos_sin
 from pipeline.runtime.worker.attn_metadata import SequenceChunk, build_attention_metadata
 from pipeline.runtime.worker.kv_cache import KVCache
 from pipeline.runtime.worker.model_runner import ModelRunner
@@ -242,16 +243,16 @@ def test_kernel_attention_equals_torch_attention(window: int | None, cache_dtype
         SequenceChunk(30, 1, tables[8:16]),
     ]
     chunks.append(SequenceChunk(3, 1, tables[16:17]))
-    cos_sin = rotary_cos_sin(config, 256)
+    layers = [LayerAttention(rotary_cos_sin(config, 256), window)]
     outputs = []
     for use_kernel in (True, False):
         cache = KVCache(config, num_blocks, block_size, cache_dtype, torch.device("cpu"), zero=True)
         cache.storage.copy_(torch.randn(cache.storage.shape, generator=torch.Generator().manual_seed(1)))
         meta = build_attention_metadata(chunks, block_size, torch.device("cpu"), padded=not use_kernel,
-                                        sliding_window=window)  # fmt: skip
+                                        windows=(window,))  # fmt: skip
         qkv = torch.randn(meta.num_tokens, 10 * 16, generator=torch.Generator().manual_seed(2))
         attention = (
-            KernelAttention(cache, config, cos_sin) if use_kernel else TorchAttention(cache, config, cos_sin)
+            KernelAttention(cache, config, layers) if use_kernel else TorchAttention(cache, config, layers)
         )
         attention.begin_step(meta)
         outputs.append((attention(0, qkv, meta), cache.storage.clone()))

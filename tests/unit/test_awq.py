@@ -12,12 +12,9 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pipeline.backends.torch.checkpoint import (
-    LAYER_WEIGHTS,
-    QKV_BIAS_WEIGHTS,
-    pretrained_config_from_hf,
-    runtime_weights,
-)
+from pipeline.architectures.hf_config import pretrained_config_from_hf
+from pipeline.architectures.weight_map import LAYER_WEIGHTS, QKV_BIAS_WEIGHTS
+from pipeline.backends.torch.checkpoint import runtime_weights
 from pipeline.config.build_config import CalibrationSection, load_build_config
 from pipeline.errors import ConfigError
 from pipeline.quantize.awq import apply_activation_aware_scales, fold_into_producers

@@ -20,8 +20,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import pipeline.sources.gguf as gguf_source
+from pipeline.architectures import SUPPORTED_ARCHITECTURES
 from pipeline.errors import ConfigError, MissingArtifactError, PipelineError, UnsupportedModelError
-from pipeline.sources import SUPPORTED_ARCHITECTURES
 from pipeline.sources.gguf import gguf_to_hf_checkpoint, smollm2_gguf_path
 from pipeline.sources.hub import _translate, download_snapshot
 from pipeline.sources.local import inspect_local_checkpoint

@@ -16,8 +16,9 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from pipeline.architectures.hf_config import pretrained_config_from_hf
 from pipeline.backends.torch.build import build
-from pipeline.backends.torch.checkpoint import convert, pretrained_config_from_hf
+from pipeline.backends.torch.checkpoint import convert
 from pipeline.config.build_config import BuildConfig, build_config_from_dict
 from pipeline.errors import BackendUnavailableError, ConfigError, MissingArtifactError, UnsupportedModelError
 from pipeline.runtime.core.outputs import ScheduledRequest, SchedulerOutput
@@ -26,7 +27,8 @@ from pipeline.runtime.core.sampling_params import SamplingParams
 from pipeline.runtime.engine.engine_args import RunnerArgs
 from pipeline.runtime.engine_config import load_engine_config, model_config_from_dict
 from pipeline.runtime.kernels import build as kernel_build
-from pipeline.runtime.model.layers import DenseLinear, rotary_cos_sin
+from pipeline.runtime.model.layers import DenseLinear
+from pipeline.runtime.model.rope import rotary_cos_sin
 from pipeline.runtime.quant.linear import QuantLinear
 from pipeline.runtime.quant.primitives import dequantize_int8, quantize_int8_per_channel
 from pipeline.runtime.worker.model_runner import ModelRunner

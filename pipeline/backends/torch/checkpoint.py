@@ -15,19 +15,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from pipeline.architectures.hf_config import pretrained_config_from_hf
+from pipeline.architectures.weight_map import checkpoint_plan
 from pipeline.config.build_config import BuildConfig
 from pipeline.errors import ConfigError, IntegrityError, UnsupportedModelError
-from pipeline.runtime.engine_config import (
-    ROPE_TYPES,
-    TOKENIZER_DIR,
-    WEIGHTS_FILE,
-    hf_rope,
-    model_config_from_dict,
-    rope_type,
-)
+from pipeline.runtime.engine_config import TOKENIZER_DIR, WEIGHTS_FILE, model_config_from_dict, rope_type
 from pipeline.runtime.model.loader import expected_dense_shapes
-from pipeline.runtime.model.weight_names import GLOBAL_WEIGHTS, LAYER_WEIGHTS, QKV_BIAS_WEIGHTS
-from pipeline.sources import SUPPORTED_ARCHITECTURES
 from pipeline.sources.local import inspect_local_checkpoint
 from pipeline.sources.tokenizer import copy_tokenizer
 
@@ -43,11 +36,12 @@ def convert(cfg: BuildConfig, hf_dir: Path, out_dir: Path) -> dict[str, Any]:
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     local = inspect_local_checkpoint(hf_dir, allow_pickle=cfg.source.allow_pickle)
     pretrained = pretrained_config_from_hf(local.config, resolve_dtype(cfg, local.config))
+    check_rope_limits(cfg, pretrained)
     check_limits(cfg, pretrained)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     with open_hf_tensors(hf_dir, local.weight_files) as tensors:
-        weights = runtime_weights(tensors, pretrained)
+        weights = runtime_weights(tensors, pretrained, local.config)
     num_params = sum(t.numel() for name, t in weights.items() if not _is_tied_copy(name, pretrained))
     save_file(weights, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
     tokenizer_files = copy_tokenizer(hf_dir, out_dir / TOKENIZER_DIR)
@@ -77,76 +71,17 @@ def resolve_dtype(cfg: BuildConfig, hf_config: dict[str, Any]) -> str:
     return model_dtype if model_dtype in TORCH_DTYPES else "float32"
 
 
-def pretrained_config_from_hf(hf: dict[str, Any], dtype: str) -> dict[str, Any]:
-    architecture = str((hf.get("architectures") or ["?"])[0])
-    if architecture not in SUPPORTED_ARCHITECTURES:
+def check_rope_limits(cfg: BuildConfig, pretrained: dict[str, Any]) -> None:
+    """LongRoPE switches to its long factors past original_max_position_embeddings, recomputing every
+    position's rotation; the runtime keeps the short ones, exact up to there."""
+    scaling = pretrained["rotary_scaling"] or {}
+    original = scaling.get("original_max_position_embeddings")
+    if rope_type(scaling) == "longrope" and original and cfg.engine.max_seq_len > original:
         raise UnsupportedModelError(
-            f"architecture {architecture} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"engine.max_seq_len={cfg.engine.max_seq_len} is beyond this LongRoPE model's "
+            f"original_max_position_embeddings={original}; the torch runtime implements its short factors only",
+            hint=f"set engine.max_seq_len <= {original}",
         )
-    _reject_unsupported_features(hf, architecture)
-    heads = int(hf["num_attention_heads"])
-    rotary_base, rotary_scaling = _rope(hf)
-    return {
-        "architecture": architecture,
-        "dtype": dtype,
-        "vocab_size": int(hf["vocab_size"]),
-        "hidden_size": int(hf["hidden_size"]),
-        "num_hidden_layers": int(hf["num_hidden_layers"]),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(hf.get("num_key_value_heads") or heads),
-        "head_dim": int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
-        "intermediate_size": int(hf["intermediate_size"]),
-        "max_position_embeddings": int(hf["max_position_embeddings"]),
-        "norm_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
-        "hidden_act": str(hf.get("hidden_act", "silu")),
-        "position_embedding_type": "rope_gpt_neox",
-        "rotary_base": rotary_base,
-        "rotary_scaling": rotary_scaling,
-        "qkv_bias": architecture == "Qwen2ForCausalLM",
-        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        "sliding_window": _sliding_window(hf, architecture),
-        "mapping": {"world_size": 1, "tp_size": 1, "pp_size": 1},
-        "quantization": {
-            "quant_algo": None,
-            "kv_cache_quant_algo": None,
-            "group_size": 128,
-            "has_zero_point": False,
-            "pre_quant_scale": False,
-            "exclude_modules": None,
-        },
-    }
-
-
-def _reject_unsupported_features(hf: dict[str, Any], architecture: str) -> None:
-    problems = []
-    if hf.get("hidden_act", "silu") != "silu":
-        problems.append(f"hidden_act={hf['hidden_act']!r} (only silu/SwiGLU)")
-    if hf.get("mlp_bias"):
-        problems.append("mlp_bias=true")
-    if architecture != "Qwen2ForCausalLM" and hf.get("attention_bias"):
-        problems.append("attention_bias=true")
-    if architecture == "Qwen2ForCausalLM" and hf.get("use_sliding_window"):
-        problems.append("use_sliding_window=true (per-layer windows)")
-    if problems:
-        raise UnsupportedModelError(
-            f"{architecture} checkpoint uses {', '.join(problems)}, which the torch runtime lacks"
-        )
-
-
-def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """hf_rope, refused when the torch runtime lacks the scaling type."""
-    base, scaling = hf_rope(hf)
-    kind = rope_type(scaling)
-    if kind not in ROPE_TYPES:
-        raise UnsupportedModelError(
-            f"RoPE scaling {kind!r} is not implemented by the torch runtime; supported: {', '.join(ROPE_TYPES)}"
-        )
-    return base, scaling
-
-
-def _sliding_window(hf: dict[str, Any], architecture: str) -> int | None:
-    window = hf.get("sliding_window") if architecture == "MistralForCausalLM" else None
-    return int(window) if window else None
 
 
 def check_limits(cfg: BuildConfig, pretrained: dict[str, Any]) -> None:
@@ -180,28 +115,28 @@ class _LazyTensor:
         return self.handle.get_tensor(self.key)
 
 
-def runtime_weights(tensors: dict[str, Any], pretrained: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The runtime layout, cast to the checkpoint dtype. Every HF tensor must be used exactly once (the
-    embedding twice when tied), so a tensor the table does not know about fails loudly."""
+def runtime_weights(
+    tensors: dict[str, Any], pretrained: dict[str, Any], hf: dict[str, Any] | None = None
+) -> dict[str, torch.Tensor]:
+    """The runtime layout (architectures.weight_map) of HF `tensors`, cast to the checkpoint dtype. Every HF
+    tensor must be used exactly once (the embedding twice when tied), so a tensor the map does not know about
+    fails loudly."""
     dtype = TORCH_DTYPES[pretrained["dtype"]]
     used: set[str] = set()
     out: dict[str, torch.Tensor] = {}
-    plan = dict(GLOBAL_WEIGHTS)
     if pretrained["tie_word_embeddings"]:
-        # HF ties by reusing the embedding even when a stale lm_head.weight was saved too.
-        plan["lm_head.weight"] = ("model.embed_tokens.weight",)
         used.add("lm_head.weight")
-    for i in range(pretrained["num_hidden_layers"]):
-        table = {**LAYER_WEIGHTS, **(QKV_BIAS_WEIGHTS if pretrained["qkv_bias"] else {})}
-        for runtime, sources in table.items():
-            plan[f"transformer.layers.{i}.{runtime}"] = tuple(f"model.layers.{i}.{s}" for s in sources)
-    for runtime, sources in plan.items():
+    for runtime, part in checkpoint_plan(pretrained, hf or {}).items():
+        sources = [s for group in part.groups for s in group]
         missing = [s for s in sources if s not in tensors]
         if missing:
-            raise IntegrityError(f"checkpoint lacks {', '.join(missing)} (needed for {runtime})")
-        parts = [_materialize(tensors[s]).to(dtype) for s in sources]
-        tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+            raise IntegrityError(f"checkpoint lacks {', '.join(missing[:4])} (needed for {runtime})")
+        groups = [torch.cat([_materialize(tensors[s]) for s in group], dim=0) for group in part.groups]
+        tensor = groups[0] if len(groups) == 1 else torch.stack(groups)
+        if part.fold is not None:
+            tensor = part.fold(tensor.float())
         # A tied lm_head is written as its own copy: safetensors refuses tensors that share memory.
+        tensor = tensor.to(dtype)
         out[runtime] = tensor.clone() if used.intersection(sources) else tensor.contiguous()
         used.update(sources)
     unused = sorted(k for k in tensors if k not in used and not k.endswith(IGNORED_SUFFIXES))

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from pipeline.architectures.weight_map import LAYER_WEIGHTS
 from pipeline.config.build_config import CalibrationSection, TuneSection
 from pipeline.quantize.calibration import (
     TUNING_TEXT_FIELD,
@@ -42,7 +43,7 @@ from pipeline.quantize.calibration import (
 )
 from pipeline.quantize.tune.block import tune_blocks
 from pipeline.quantize.tune.trainable_grid import GridRows, TunedGrid, grid_optimizer
-from pipeline.runtime.model.weight_names import LAYER_LINEARS, LAYER_WEIGHTS
+from pipeline.runtime.model.weight_names import LAYER_LINEARS
 from pipeline.runtime.quant.linear import QuantLinear
 
 # Tuning sequences are cut to this many tokens: long enough for the attention patterns of real text, short

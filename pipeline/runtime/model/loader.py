@@ -14,8 +14,19 @@ from safetensors import safe_open
 from pipeline.errors import IntegrityError, MissingArtifactError, UnsupportedModelError
 from pipeline.runtime.engine_config import EngineConfig, ModelConfig, QuantConfig
 from pipeline.runtime.model.layers import DenseLinear, Linear
-from pipeline.runtime.model.weights import LayerWeights, LlamaWeights
+from pipeline.runtime.model.weights import LayerWeights, ModelWeights, MoEWeights
 
+# The norms of a layer in each norm_layout (runtime names).
+NORMS: dict[str, tuple[str, ...]] = {
+    "pre": ("input_layernorm.weight", "post_layernorm.weight"),
+    "sandwich": (
+        "input_layernorm.weight",
+        "attention.output_norm.weight",
+        "post_layernorm.weight",
+        "mlp.output_norm.weight",
+    ),
+    "post": ("attention.output_norm.weight", "mlp.output_norm.weight"),
+}
 # pretrained_config.quantization.quant_algo -> QuantLinear scheme. AWQ is int4 group-wise once its
 # activation scales are folded into the preceding weights (quantization.pre_quant_scale false); GPTQ only
 # chooses the int4 levels.
@@ -106,22 +117,36 @@ def _excluded(prefix: str, patterns: list[str] | None) -> bool:
 def expected_dense_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Runtime tensor name -> shape in the dense layout (what convert writes)."""
     hidden, d = model.hidden_size, model.head_dim
-    qkv_rows = (model.num_attention_heads + 2 * model.num_key_value_heads) * d
+    heads, kv_heads = model.num_attention_heads, model.num_key_value_heads
+    qkv_rows = (heads + 2 * kv_heads) * d
     shapes: dict[str, tuple[int, ...]] = {
         "transformer.vocab_embedding.weight": (model.vocab_size, hidden),
         "transformer.ln_f.weight": (hidden,),
         "lm_head.weight": (model.vocab_size, hidden),
     }
+    q_norm, k_norm = {"per_head": ((d,), (d,)), "full": ((heads * d,), (kv_heads * d,))}.get(
+        model.qk_norm or "", (None, None)
+    )
     for i in range(model.num_hidden_layers):
         p = f"transformer.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (hidden,)
-        shapes[p + "attention.qkv.weight"] = (qkv_rows, hidden)
-        if model.qkv_bias:
-            shapes[p + "attention.qkv.bias"] = (qkv_rows,)
-        shapes[p + "attention.dense.weight"] = (hidden, model.num_attention_heads * d)
-        shapes[p + "post_layernorm.weight"] = (hidden,)
-        shapes[p + "mlp.gate_up.weight"] = (2 * model.intermediate_size, hidden)
-        shapes[p + "mlp.proj.weight"] = (hidden, model.intermediate_size)
+        layer = {
+            "attention.qkv.weight": (qkv_rows, hidden),
+            "attention.qkv.bias": (qkv_rows,) if model.qkv_bias else None,
+            "attention.dense.weight": (hidden, heads * d),
+            "attention.dense.bias": (hidden,) if model.dense_bias else None,
+            "attention.q_norm.weight": q_norm,
+            "attention.k_norm.weight": k_norm,
+            **dict.fromkeys(NORMS[model.norm_layout], (hidden,)),
+        }
+        if model.is_sparse(i):
+            e, inter = model.num_experts, model.moe_intermediate_size
+            layer["mlp.router.weight"] = (e, hidden)
+            layer["mlp.experts.gate_up.weight"] = (e, 2 * inter, hidden)
+            layer["mlp.experts.proj.weight"] = (e, hidden, inter)
+        else:
+            layer["mlp.gate_up.weight"] = (2 * model.intermediate_size, hidden)
+            layer["mlp.proj.weight"] = (hidden, model.intermediate_size)
+        shapes.update({p + name: shape for name, shape in layer.items() if shape is not None})
     return shapes
 
 
@@ -137,12 +162,35 @@ def check_dense_shapes(tensors: Mapping[str, torch.Tensor], model: ModelConfig, 
             raise IntegrityError(f"{origin}: {name} has shape {actual}, config.json implies {shape}")
 
 
-def load_llama_weights(
+def _moe_weights(
+    tensors: Mapping[str, torch.Tensor],
+    prefix: str,
+    model: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    weight_dtype: torch.dtype | None,
+) -> MoEWeights:
+    """A sparse layer's router and experts (dense weights: quantization is refused for MoE models)."""
+
+    def experts(name: str) -> list[Linear]:
+        stacked = tensors[prefix + name].to(device=device, dtype=weight_dtype or dtype)
+        return [DenseLinear(stacked[e].contiguous()) for e in range(model.num_experts)]
+
+    return MoEWeights(
+        router=tensors[prefix + "mlp.router.weight"].to(device=device, dtype=dtype).contiguous(),
+        gate_up=experts("mlp.experts.gate_up.weight"),
+        proj=experts("mlp.experts.proj.weight"),
+        num_experts_per_tok=model.num_experts_per_tok,
+        normalize_top_k=model.normalize_top_k,
+    )
+
+
+def load_model_weights(
     config: EngineConfig,
     device: torch.device,
     dtype: torch.dtype,
     layer_weight_dtype: torch.dtype | None = None,
-) -> LlamaWeights:
+) -> ModelWeights:
     """The weights in `dtype`; the decoder layers' dense linear weights in `layer_weight_dtype` if given (the
     embedding and lm_head keep `dtype`: the greedy head's exact logits read fp32)."""
     path: Path = config.weights_path
@@ -159,17 +207,26 @@ def load_llama_weights(
         def linear(prefix: str, weight_dtype: torch.dtype | None = None) -> Linear:
             return make_linear(prefix, tensors, quant, device=device, dtype=dtype, weight_dtype=weight_dtype)
 
+        def optional(name: str) -> torch.Tensor | None:
+            return vector(name) if name in tensors else None
+
         layers = []
         for i in range(model.num_hidden_layers):
             p = f"transformer.layers.{i}."
+            sparse = model.is_sparse(i)
             layers.append(
                 LayerWeights(
-                    input_norm=vector(p + "input_layernorm.weight"),
+                    input_norm=optional(p + "input_layernorm.weight"),
                     qkv=linear(p + "attention.qkv", layer_weight_dtype),
                     dense=linear(p + "attention.dense", layer_weight_dtype),
-                    post_norm=vector(p + "post_layernorm.weight"),
-                    gate_up=linear(p + "mlp.gate_up", layer_weight_dtype),
-                    proj=linear(p + "mlp.proj", layer_weight_dtype),
+                    post_norm=optional(p + "post_layernorm.weight"),
+                    gate_up=None if sparse else linear(p + "mlp.gate_up", layer_weight_dtype),
+                    proj=None if sparse else linear(p + "mlp.proj", layer_weight_dtype),
+                    attention_output_norm=optional(p + "attention.output_norm.weight"),
+                    mlp_output_norm=optional(p + "mlp.output_norm.weight"),
+                    q_norm=optional(p + "attention.q_norm.weight"),
+                    k_norm=optional(p + "attention.k_norm.weight"),
+                    moe=_moe_weights(tensors, p, model, device, dtype, layer_weight_dtype) if sparse else None,
                 )
             )
         lm_head = linear("lm_head")
@@ -178,6 +235,6 @@ def load_llama_weights(
             embedding = lm_head.weight
         else:
             embedding = vector("transformer.vocab_embedding.weight")
-        return LlamaWeights(
+        return ModelWeights(
             embedding=embedding, layers=layers, final_norm=vector("transformer.ln_f.weight"), lm_head=lm_head
         )

@@ -3,6 +3,7 @@ each sequence's block table, built once per step and shared by every layer."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +26,9 @@ class PaddedBatch:
     token_seq: torch.Tensor  # [T] int64: sequence of each token
     token_row: torch.Tensor  # [T] int64: index of each token within its sequence's chunk
     max_query_len: int
-    mask: torch.Tensor  # [S, 1, max_query_len, max_blocks * block_size] bool, True = attend
+    # Per attention window (None = full causal): [S, 1, max_query_len, max_blocks * block_size] bool,
+    # True = attend
+    masks: dict[int | None, torch.Tensor]
 
 
 @dataclass
@@ -44,11 +47,12 @@ def build_attention_metadata(
     block_size: int,
     device: torch.device,
     padded: bool = False,
-    sliding_window: int | None = None,
+    windows: Sequence[int | None] = (None,),
     num_blocks: int | None = None,
 ) -> AttentionMetadata:
-    """Metadata for `chunks` in order; `num_blocks` (the cache size) turns on a bounds check of the
-    block tables, which the attention kernel does not check."""
+    """Metadata for `chunks` in order; with `padded`, a mask for each of the model's attention `windows`;
+    `num_blocks` (the cache size) turns on a bounds check of the block tables, which the attention kernel does
+    not check."""
     positions: list[int] = []
     slots: list[int] = []
     token_seq: list[int] = []
@@ -79,7 +83,7 @@ def build_attention_metadata(
         max_context_len=max_context,
     )
     if padded:
-        meta.padded = _padded_batch(chunks, meta, block_tables, block_size, sliding_window, device)
+        meta.padded = _padded_batch(chunks, meta, block_tables, block_size, windows, device)
     return meta
 
 
@@ -88,7 +92,7 @@ def _padded_batch(
     meta: AttentionMetadata,
     block_tables: torch.Tensor,
     block_size: int,
-    sliding_window: int | None,
+    windows: Sequence[int | None],
     device: torch.device,
 ) -> PaddedBatch:
     max_query = max(c.num_tokens for c in chunks)
@@ -99,13 +103,15 @@ def _padded_batch(
     query_pos = torch.zeros(len(chunks), max_query, dtype=torch.int64, device=device)
     query_pos[token_seq, token_row] = meta.positions
     key_pos = torch.arange(block_tables.shape[1] * block_size, device=device)
-    mask = key_pos[None, None, :] <= query_pos[:, :, None]
-    if sliding_window:
-        mask &= key_pos[None, None, :] > query_pos[:, :, None] - sliding_window
+    causal = key_pos[None, None, :] <= query_pos[:, :, None]
+    masks = {
+        window: (causal & (key_pos[None, None, :] > query_pos[:, :, None] - window) if window else causal)[:, None]
+        for window in windows
+    }
     return PaddedBatch(
         block_tables=block_tables.to(device=device, dtype=torch.int64),
         token_seq=token_seq,
         token_row=token_row,
         max_query_len=max_query,
-        mask=mask[:, None],
+        masks=masks,
     )

@@ -18,18 +18,13 @@ from pipeline.runtime.core.outputs import RunnerOutput, SchedulerOutput
 from pipeline.runtime.engine.engine_args import AttentionChoice, RunnerArgs
 from pipeline.runtime.engine_config import EngineConfig, load_engine_config
 from pipeline.runtime.kernels import ops as kernels
+from pipeline.runtime.model.attention import Attention, KernelAttention, LayerAttention, TorchAttention
+from pipeline.runtime.model.decoder import DecoderModel
 from pipeline.runtime.model.greedy_head import GreedyLMHead
-from pipeline.runtime.model.layers import (
-    Attention,
-    DenseLinear,
-    KernelAttention,
-    ResidualRMSNorm,
-    TorchAttention,
-    rotary_cos_sin,
-)
-from pipeline.runtime.model.llama import LlamaModel
-from pipeline.runtime.model.loader import load_llama_weights
-from pipeline.runtime.model.weights import LayerWeights, LlamaWeights
+from pipeline.runtime.model.layers import DenseLinear, ResidualRMSNorm
+from pipeline.runtime.model.loader import load_model_weights
+from pipeline.runtime.model.rope import layer_cos_sin
+from pipeline.runtime.model.weights import LayerWeights, ModelWeights
 from pipeline.runtime.worker.attn_metadata import SequenceChunk, build_attention_metadata
 from pipeline.runtime.worker.kv_cache import KVCache, blocks_per_sequence, num_kv_blocks
 from pipeline.runtime.worker.kv_quant import check_kv_quant_algo
@@ -84,7 +79,7 @@ class ModelRunner:
         # that c=16 decode steps stream through attention, twice the tokens in the same memory.
         kv_dtype = self.layer_weight_dtype
         self.tokens_per_block = build.plugin_config.tokens_per_block
-        weights = load_llama_weights(engine_config, self.device, self.dtype, self.layer_weight_dtype)
+        weights = load_model_weights(engine_config, self.device, self.dtype, self.layer_weight_dtype)
         self.single_row_threads = (
             args.single_row_threads
             if args.single_row_threads is not None
@@ -155,13 +150,18 @@ class ModelRunner:
             raise ConfigError(f"attention=kernel is unavailable here: {why}")
         return False
 
-    def _assemble(self, weights: LlamaWeights, use_kernel: bool) -> LlamaModel:
+    def _assemble(self, weights: ModelWeights, use_kernel: bool) -> DecoderModel:
         model_cfg = self.config.model
-        cos_sin = rotary_cos_sin(model_cfg, self.max_positions).to(self.device)
+        tables = layer_cos_sin(model_cfg, self.max_positions)
+        on_device = {id(t): t.to(self.device) for t in tables}  # layers of one kind share their table
+        layers = [
+            LayerAttention(on_device[id(cos_sin)], model_cfg.layer_window(i), layer.q_norm, layer.k_norm)
+            for i, (cos_sin, layer) in enumerate(zip(tables, weights.layers, strict=True))
+        ]
         attention: Attention = (
-            KernelAttention(self.kv_cache, model_cfg, cos_sin)
+            KernelAttention(self.kv_cache, model_cfg, layers)
             if use_kernel
-            else TorchAttention(self.kv_cache, model_cfg, cos_sin)
+            else TorchAttention(self.kv_cache, model_cfg, layers)
         )
         norm = ResidualRMSNorm(use_kernel, model_cfg.hidden_size, model_cfg.norm_epsilon)
         lm_head = weights.lm_head
@@ -170,7 +170,7 @@ class ModelRunner:
             if isinstance(lm_head, DenseLinear) and GreedyLMHead.supports(lm_head.weight)
             else None
         )
-        return LlamaModel(model_cfg, weights, attention, norm, greedy_head)
+        return DecoderModel(model_cfg, weights, attention, norm, greedy_head)
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
@@ -308,7 +308,7 @@ class ModelRunner:
             self.tokens_per_block,
             self.device,
             padded=self.attention_backend == "torch",
-            sliding_window=self.config.model.sliding_window,
+            windows=self.config.model.windows,
             num_blocks=self.num_kv_blocks,
         )
         # The attention kernel indexes the RoPE table and the cache without checking each position.

@@ -1,0 +1,103 @@
+"""Every supported architecture, as a tiny random checkpoint with its features switched on (windows shorter
+than the prompts, several experts per token, partial rotary, soft-capping, multipliers, NoPE layers), generates
+Hugging Face's greedy tokens through the torch engine, log-probs within the parity tolerance: concurrent
+requests with chunked context, block reuse of a shared prefix, forced preemption, the torch attention path,
+and single requests through the fused decode path and the int8-screened greedy head."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+from transformers import AutoConfig
+
+from pipeline.runtime.engine.engine_args import RunnerArgs
+from pipeline.runtime.kernels import ops as kernels
+from pipeline.runtime.worker.model_runner import ModelRunner
+from pipeline.sources.tiny import ARCHITECTURES, make_tiny_checkpoint
+from tests.integration.test_parity import Case, assert_matches, hf_greedy, make_engine_dir, run_engine
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# llama and qwen2 have their own, longer parity module.
+TINY_ARCHITECTURES = [name for name in ARCHITECTURES if name not in ("llama", "qwen2")]
+SHARED_PREFIX = 40  # tokens every prompt starts with: full blocks that block reuse can share
+
+
+@pytest.fixture(scope="module", params=TINY_ARCHITECTURES)
+def arch(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, Path]:
+    """(name, hf_dir, engine_dir)."""
+    hf_dir = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    make_tiny_checkpoint(hf_dir, arch=request.param, seed=0)
+    return request.param, hf_dir, make_engine_dir(hf_dir, tmp_path_factory.mktemp(f"engine-{request.param}"))
+
+
+@pytest.fixture(scope="module")
+def case(arch: tuple[str, Path, Path]) -> Case:
+    """8 prompts of 41..200 tokens sharing a prefix (longer than every window), 1..24 output tokens."""
+    _, hf_dir, _ = arch
+    vocab = AutoConfig.from_pretrained(hf_dir).vocab_size
+    rng = random.Random(7)
+    prefix = [rng.randrange(10, vocab) for _ in range(SHARED_PREFIX)]
+    prompts = [prefix + [rng.randrange(10, vocab) for _ in range(rng.randrange(1, 161))] for _ in range(8)]
+    max_tokens = [rng.randrange(1, 25) for _ in prompts]
+    max_tokens[0] = 24
+    return Case(prompts, max_tokens, *hf_greedy(hf_dir, prompts, max_tokens))
+
+
+def _eos(hf_dir: Path) -> int:
+    return int(AutoConfig.from_pretrained(hf_dir).eos_token_id)
+
+
+def _runner(engine_dir: Path, **args: object) -> ModelRunner:
+    return ModelRunner.from_engine_dir(engine_dir, RunnerArgs(device="cpu", **{"kv_max_tokens": 8192, **args}))  # type: ignore[arg-type]
+
+
+def test_concurrent_chunked_with_block_reuse(arch: tuple[str, Path, Path], case: Case) -> None:
+    _, hf_dir, engine_dir = arch
+    requests = run_engine(
+        _runner(engine_dir),
+        case,
+        _eos(hf_dir),
+        max_num_tokens=64,
+        enable_chunked_context=True,
+        enable_block_reuse=True,
+        max_batch_size=4,
+    )
+    assert sum(r.stats.num_blocks_reused for r in requests) > 0, "no KV block was reused"
+    assert_matches(requests, case)
+
+
+def test_forced_preemption(arch: tuple[str, Path, Path], case: Case) -> None:
+    _, hf_dir, engine_dir = arch
+    # 60 blocks of 8 tokens: far less than 8 concurrent sequences of up to ~225 tokens need.
+    requests = run_engine(
+        _runner(engine_dir, kv_max_tokens=480),
+        case,
+        _eos(hf_dir),
+        policy="max_utilization",
+        enable_chunked_context=True,
+    )
+    assert sum(r.stats.num_preemptions for r in requests) > 0, "the KV cache was not small enough to preempt"
+    assert_matches(requests, case)
+
+
+def test_torch_attention_path(arch: tuple[str, Path, Path], case: Case) -> None:
+    _, hf_dir, engine_dir = arch
+    runner = _runner(engine_dir, attention="torch")
+    assert runner.attention_backend == "torch"
+    assert_matches(run_engine(runner, case, _eos(hf_dir), max_num_tokens=96, enable_chunked_context=True), case)
+
+
+def test_single_requests_through_the_decode_path(arch: tuple[str, Path, Path], case: Case) -> None:
+    """One request at a time: decode steps of one row take the fused decoder kernel (every dense
+    architecture) and, without log-probs, the int8-screened greedy head."""
+    name, hf_dir, engine_dir = arch
+    runner = _runner(engine_dir)
+    if kernels.kernels_available():
+        sparse = ARCHITECTURES[name][2].get("num_experts") or ARCHITECTURES[name][2].get("num_local_experts")
+        assert (runner.model.fused is None) == bool(sparse), "dense layers should run fused, MoE op by op"
+    single = Case(case.prompts[:2], case.max_tokens[:2], case.reference[:2], case.reference_logprobs[:2])
+    for logprobs in (True, False):
+        assert_matches(run_engine(runner, single, _eos(hf_dir), logprobs=logprobs, max_batch_size=1), single)
