@@ -65,8 +65,8 @@ def architecture_of(hf: dict[str, Any]) -> str:
 
 
 def check_hf_config(hf: dict[str, Any]) -> str:
-    """The architecture of config.json `hf`, after refusing what the runtime would get wrong: an unsupported
-    architecture, RoPE type or math-changing key. Reads only the dict (cheap enough for fetch)."""
+    """The architecture of config.json `hf`, after refusing a config whose math-changing keys its
+    architecture would ignore (any backend builds such a checkpoint wrong). Reads only the dict."""
     architecture = architecture_of(hf)
     foreign = [
         f"{key}={hf[key]!r}"
@@ -78,12 +78,15 @@ def check_hf_config(hf: dict[str, Any]) -> str:
             f"{architecture} config.json sets {', '.join(foreign)}, which {architecture} does not read: building "
             "it would ignore them and give wrong tokens (is `architectures` right?)"
         )
+    return architecture
+
+
+def _check_rope_types(hf: dict[str, Any]) -> None:
     for kind in _rope_types(hf):
         if kind not in ROPE_TYPES:
             raise UnsupportedModelError(
                 f"RoPE type {kind!r} is not implemented by the torch runtime; supported: {', '.join(ROPE_TYPES)}"
             )
-    return architecture
 
 
 def _neutral(value: Any, neutral: Any) -> bool:
@@ -104,6 +107,7 @@ def _rope_types(hf: dict[str, Any]) -> list[str]:
 def pretrained_config_from_hf(hf: dict[str, Any], dtype: str) -> dict[str, Any]:
     """The runtime's pretrained_config for HF config.json `hf`, weights stored in `dtype`."""
     architecture = check_hf_config(hf)
+    _check_rope_types(hf)
     config = _hf_config_object(hf, architecture)
     heads = int(config.num_attention_heads)
     head_dim = int(getattr(config, "head_dim", None) or int(config.hidden_size) // heads)
@@ -120,7 +124,9 @@ def pretrained_config_from_hf(hf: dict[str, Any], dtype: str) -> dict[str, Any]:
         "intermediate_size": int(config.intermediate_size),
         "max_position_embeddings": int(config.max_position_embeddings),
         "norm_epsilon": float(getattr(config, "rms_norm_eps", 1e-6)),
-        "hidden_act": str(getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")),
+        "hidden_act": str(
+            getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+        ),
         "position_embedding_type": "rope_gpt_neox",
         "rotary_base": base,
         "rotary_scaling": scaling,
@@ -139,7 +145,9 @@ def pretrained_config_from_hf(hf: dict[str, Any], dtype: str) -> dict[str, Any]:
         },
     }
     if getattr(config, "mlp_bias", False):
-        raise UnsupportedModelError(f"{architecture} checkpoint uses mlp_bias=true, which the torch runtime lacks")
+        raise UnsupportedModelError(
+            f"{architecture} checkpoint uses mlp_bias=true, which the torch runtime lacks"
+        )
     FAMILY_READERS.get(architecture, _windowed)(config, pretrained)
     if pretrained["hidden_act"] not in ("silu", "gelu_pytorch_tanh"):
         raise UnsupportedModelError(

@@ -177,7 +177,8 @@ def _partial_rotary_folds(pretrained: dict[str, Any]) -> dict[str, Fold]:
     order = rotary_channel_order(d, pretrained["rotary_dim"])
     # Reorders the q and k rows of qkv head by head; v rows keep their order.
     rows = torch.cat(
-        [h * d + order for h in range(heads + kv_heads)] + [torch.arange((heads + kv_heads) * d, (heads + 2 * kv_heads) * d)]
+        [h * d + order for h in range(heads + kv_heads)]
+        + [torch.arange((heads + kv_heads) * d, (heads + 2 * kv_heads) * d)]
     )
 
     def reorder_qkv(w: torch.Tensor) -> torch.Tensor:

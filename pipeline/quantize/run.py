@@ -18,8 +18,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from pipeline.architectures import torch_quantization_problem
 from pipeline.config.build_config import BuildConfig, QuantizationSection
-from pipeline.errors import ConfigError, MissingArtifactError
+from pipeline.errors import ConfigError, MissingArtifactError, UnsupportedModelError
 from pipeline.quantize.kv_cache import quantize_kv_only
 from pipeline.runtime.engine_config import TOKENIZER_DIR, WEIGHTS_FILE
 from pipeline.runtime.model.weight_names import LAYER_LINEARS
@@ -47,6 +48,9 @@ def quantize(cfg: BuildConfig, ckpt_dir: Path, out_dir: Path, hf_dir: Path | Non
     if not config_path.is_file():
         raise MissingArtifactError(f"{config_path} not found: the convert stage has not run")
     pretrained = json.loads(config_path.read_text(encoding="utf-8"))
+    problem = torch_quantization_problem(pretrained, q.mode, is_calibrated(q))
+    if problem:
+        raise UnsupportedModelError(problem)
     if q.mode == "none":  # only the KV cache is quantized, at run time
         return quantize_kv_only(cfg, pretrained, ckpt_dir, out_dir)
     scheme = SCHEMES[q.mode]
@@ -126,6 +130,11 @@ def data_files(cfg: BuildConfig) -> dict[str, Path]:
     if q.tune.enabled and q.tune.dataset is not None:
         files |= dataset_data_files("tuning_text", q.tune.dataset, TUNING_TEXT_FIELD)
     return files
+
+
+def is_calibrated(q: QuantizationSection) -> bool:
+    """Whether `q` runs the model on calibration data (activation-aware scales, GPTQ or grid tuning)."""
+    return _is_activation_aware(q) or q.tune.enabled
 
 
 def _is_activation_aware(q: QuantizationSection) -> bool:

@@ -81,7 +81,9 @@ class ModelConfig:
     # "pre": RMSNorm before attention and MLP (Llama); "sandwich": also after each (Gemma); "post": only
     # after each (OLMo 2)
     norm_layout: str = "pre"
-    qk_norm: str | None = None  # RMSNorm of q and k before RoPE: "per_head" (Qwen3, Gemma 3) or "full" (OLMo 2)
+    qk_norm: str | None = (
+        None  # RMSNorm of q and k before RoPE: "per_head" (Qwen3, Gemma 3) or "full" (OLMo 2)
+    )
     attention_scale: float | None = None  # multiplies q . k; None = head_dim ** -0.5
     attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
     final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
@@ -90,8 +92,12 @@ class ModelConfig:
     num_experts: int = 0  # sparse MoE: experts per sparse layer; 0 = dense MLPs only
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
-    normalize_top_k: bool = True  # renormalize the chosen experts' probabilities (Mixtral; Qwen3-MoE's norm_topk_prob)
-    dense_layers: list[int] | None = None  # in an MoE model, the layers with a dense MLP (Qwen3-MoE mlp_only_layers)
+    normalize_top_k: bool = (
+        True  # renormalize the chosen experts' probabilities (Mixtral; Qwen3-MoE's norm_topk_prob)
+    )
+    dense_layers: list[int] | None = (
+        None  # in an MoE model, the layers with a dense MLP (Qwen3-MoE mlp_only_layers)
+    )
     mapping: Mapping = field(default_factory=Mapping)
     quantization: QuantConfig = field(default_factory=QuantConfig)
 
@@ -283,9 +289,24 @@ def validate_engine_config(config: EngineConfig, origin: str = "config.json") ->
             "'torch' (this runtime loads torch engines only)",
         ),
         (m.dtype in DTYPES, "pretrained_config.dtype", m.dtype, f"one of {', '.join(DTYPES)}"),
-        (m.hidden_act in HIDDEN_ACTS, "pretrained_config.hidden_act", m.hidden_act, f"one of {', '.join(HIDDEN_ACTS)}"),
-        (m.norm_layout in NORM_LAYOUTS, "pretrained_config.norm_layout", m.norm_layout, f"one of {', '.join(NORM_LAYOUTS)}"),
-        (m.qk_norm in (None, *QK_NORMS), "pretrained_config.qk_norm", m.qk_norm, f"null or one of {', '.join(QK_NORMS)}"),
+        (
+            m.hidden_act in HIDDEN_ACTS,
+            "pretrained_config.hidden_act",
+            m.hidden_act,
+            f"one of {', '.join(HIDDEN_ACTS)}",
+        ),
+        (
+            m.norm_layout in NORM_LAYOUTS,
+            "pretrained_config.norm_layout",
+            m.norm_layout,
+            f"one of {', '.join(NORM_LAYOUTS)}",
+        ),
+        (
+            m.qk_norm in (None, *QK_NORMS),
+            "pretrained_config.qk_norm",
+            m.qk_norm,
+            f"null or one of {', '.join(QK_NORMS)}",
+        ),
         (
             m.layer_types is None
             or (len(m.layer_types) == m.num_hidden_layers and set(m.layer_types) <= set(LAYER_TYPES)),

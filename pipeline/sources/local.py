@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.architectures import SUPPORTED_ARCHITECTURES
+from pipeline.architectures.hf_config import check_hf_config
 from pipeline.errors import MissingArtifactError, UnsupportedModelError
 from pipeline.sources import PICKLE_WEIGHTS, SAFETENSORS_WEIGHTS, TOKENIZER_FILES
 from pipeline.util.files import read_json_object
@@ -84,6 +85,7 @@ def _architecture(path: Path, config: dict[str, Any]) -> str:
         raise UnsupportedModelError(
             f"architecture {architecture}{custom} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    check_hf_config(config)
     return architecture
 
 

@@ -119,3 +119,32 @@ def key_paths(data: dict[str, Any], prefix: str = "") -> set[str]:
         if isinstance(value, dict):
             paths |= key_paths(value, f"{prefix}{key}.")
     return paths
+
+
+@cache
+def engine_model_classes() -> dict[str, str | None]:
+    """HF architecture -> the TensorRT-LLM 1.1.0 engine-route model class (MODEL_MAP); None: it has none."""
+    return {arch: None if cls == "-" else cls for arch, cls in _rows("engine_model_classes.tsv")}
+
+
+@cache
+def pytorch_backend_architectures() -> dict[str, bool]:
+    """HF architecture -> whether TensorRT-LLM 1.1.0's PyTorch backend registers it."""
+    return {arch: supported == "yes" for arch, supported in _rows("pytorch_backend_architectures.tsv")}
+
+
+@dataclass(frozen=True)
+class ModelOptExport:
+    decoder_type: str | None  # get_model_type's answer
+    trtllm_checkpoint: bool  # export_tensorrt_llm_checkpoint works where llmpipe runs ModelOpt
+    unified_hf: bool  # export_hf_checkpoint works
+
+
+@cache
+def modelopt_exports() -> dict[str, ModelOptExport]:
+    return {
+        arch: ModelOptExport(
+            None if decoder == "-" else decoder, trtllm.startswith("yes"), unified.startswith("yes")
+        )
+        for arch, decoder, trtllm, unified in _rows("modelopt_export.tsv")
+    }

@@ -109,9 +109,9 @@ def test_unsupported_architecture_names_the_supported_ones(tiny_llama_dir: Path,
 
 
 def test_unsupported_rope_scaling_fails_at_convert(tiny_llama_dir: Path, tmp_path: Path) -> None:
-    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
-    bad = edited_copy(tiny_llama_dir, tmp_path / "yarn", rope_parameters=rope)
-    with pytest.raises(UnsupportedModelError, match="yarn"):
+    rope = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}
+    bad = edited_copy(tiny_llama_dir, tmp_path / "dynamic", rope_parameters=rope)
+    with pytest.raises(UnsupportedModelError, match="'dynamic'.*supported: default, linear, llama3, yarn, longrope"):
         convert(make_cfg(bad), bad, tmp_path / "out")
 
 
@@ -250,8 +250,19 @@ def test_bf16_storage_is_computed_in_fp32_on_cpu(tiny_llama_dir: Path, tmp_path:
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64,
         },
+        {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128},
+        {
+            "rope_type": "yarn",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "original_max_position_embeddings": 64,
+            "beta_fast": 16,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.5,
+            "truncate": False,
+        },
     ],
-    ids=lambda r: r["rope_type"],
+    ids=lambda r: f"{r['rope_type']}-{r['rope_theta']:g}",
 )
 def test_rope_tables_equal_transformers(rope: dict[str, Any]) -> None:
     hf_config = LlamaConfig(

@@ -18,17 +18,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.backends.trtllm.architectures import MODEL_CLASS_FOR_ARCHITECTURE, engine_model_class
 from pipeline.backends.trtllm.env import require_trtllm
 from pipeline.config.build_config import BuildConfig
 from pipeline.errors import UnsupportedModelError
 from pipeline.quantize.modelopt.formats import uses_modelopt
 
-# HF architecture -> TensorRT-LLM model class (MODEL_MAP maps Mistral onto the Llama implementation).
-MODEL_CLASS_FOR_ARCHITECTURE: dict[str, str] = {
-    "LlamaForCausalLM": "LLaMAForCausalLM",
-    "MistralForCausalLM": "LLaMAForCausalLM",
-    "Qwen2ForCausalLM": "QWenForCausalLM",
-}
+# MODEL_CLASS_FOR_ARCHITECTURE's home is architectures.py (read by convert and the plan); re-exported here.
+__all__ = [
+    "MODEL_CLASS_FOR_ARCHITECTURE",
+    "TrtllmApi",
+    "check_unified_checkpoint",
+    "convert_needs_trtllm",
+    "hf_architecture",
+    "load_api",
+    "model_class_name",
+    "stages_need_trtllm",
+]
 
 
 @dataclass(frozen=True)
@@ -89,13 +95,9 @@ def hf_architecture(hf_dir: Path) -> str:
 
 
 def model_class_name(hf_dir: Path) -> str:
-    arch = hf_architecture(hf_dir)
-    if arch not in MODEL_CLASS_FOR_ARCHITECTURE:
-        raise UnsupportedModelError(
-            f"{hf_dir}: architecture {arch or '(none)'} has no TensorRT-LLM mapping in llmpipe",
-            hint=f"Supported: {', '.join(MODEL_CLASS_FOR_ARCHITECTURE)}.",
-        )
-    return MODEL_CLASS_FOR_ARCHITECTURE[arch]
+    """The TensorRT-LLM model class of the checkpoint in `hf_dir` (architectures.MODEL_CLASS_FOR_ARCHITECTURE);
+    an architecture the engine route lacks is refused in one line."""
+    return engine_model_class(hf_architecture(hf_dir))
 
 
 def check_unified_checkpoint(out_dir: Path, world_size: int) -> list[str]:

@@ -45,10 +45,10 @@ def convert(cfg: BuildConfig, hf_dir: Path, out_dir: Path) -> dict[str, Any]:
     q = cfg.quantization
     check_supported(q.mode, q.kv_cache_dtype)
     guards.check_this_machine_supports(cfg)  # before conversion and calibration, not after them
+    class_name = model_class_name(hf_dir)  # an architecture the engine route lacks: refused before either
     if not convert_needs_trtllm(cfg):
         return _for_modelopt(cfg, hf_dir, out_dir)
     api = load_api()
-    class_name = model_class_name(hf_dir)
     model_cls = api.model_class(class_name)
     quant_algo = convert_quant_algo(cfg)
     clamp_val = FP8_ROWWISE_CLAMP if q.mode == "fp8_pc_pt" else None

@@ -8,9 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.backends.trtllm.api import (
-    MODEL_CLASS_FOR_ARCHITECTURE,
     convert_needs_trtllm,
     hf_architecture,
+    model_class_name,
     stages_need_trtllm,
 )
 from pipeline.backends.trtllm.build_cmd import BUILD_LOG_NAME, NETWORK_DIRNAME, format_argv, trtllm_build_argv
@@ -46,8 +46,10 @@ def _hf_dir(cfg: BuildConfig, workdir: Path) -> Path:
 
 
 def _model_class(hf_dir: Path) -> str:
+    """The model class convert will use; an architecture the engine route lacks is refused here, at plan
+    time, as convert refuses it."""
     if (hf_dir / "config.json").is_file():
-        return MODEL_CLASS_FOR_ARCHITECTURE.get(hf_architecture(hf_dir), "<unsupported architecture>")
+        return model_class_name(hf_dir)
     return "LLaMAForCausalLM"  # the Llama family; resolved from config.json once fetched
 
 
@@ -60,6 +62,8 @@ def convert_lines(cfg: BuildConfig, workdir: Path) -> list[str]:
     q = cfg.quantization
     check_supported(q.mode, q.kv_cache_dtype)
     if not convert_needs_trtllm(cfg):
+        if (hf_dir / "config.json").is_file():
+            check_config(cfg, read_hf_config(hf_dir))  # as convert does, before calibration
         return [
             f"no TensorRT-LLM conversion for mode={q.mode}, kv={q.kv_cache_dtype}: quantize calibrates and exports "
             f"the HF checkpoint with ModelOpt; check the model's shapes against the format; copy the tokenizer "
@@ -132,6 +136,7 @@ _STAGES = {"convert": convert_lines, "quantize": quantize_lines, "engine": engin
 def plan(cfg: BuildConfig, workdir: Path, stage: str | None = None) -> list[str]:
     """Plan lines for one stage (convert, quantize, engine) or, with stage=None, all three."""
     names = [stage] if stage else list(_STAGES)
+    _model_class(_hf_dir(cfg, workdir))  # refuse an architecture the engine route lacks, whatever the stage
     lines = [line for name in names for line in _STAGES[name](cfg, workdir)]
     reason = trtllm_unavailable_reason()
     if reason and stages_need_trtllm(cfg, names):

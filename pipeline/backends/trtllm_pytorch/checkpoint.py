@@ -45,3 +45,12 @@ def quant_algos(folder: Path) -> tuple[str | None, str | None]:
         return None, None
     quantization = json.loads(path.read_text(encoding="utf-8")).get("quantization", {})
     return quantization.get("quant_algo"), quantization.get("kv_cache_quant_algo")
+
+
+def group_size(folder: Path) -> int | None:
+    """The weight block size a ModelOpt checkpoint's hf_quant_config.json names (AWQ, NVFP4); None without."""
+    path = folder / HF_QUANT_CONFIG
+    if not path.is_file():
+        return None
+    value = json.loads(path.read_text(encoding="utf-8")).get("quantization", {}).get("group_size")
+    return int(value) if value is not None else None

@@ -10,11 +10,13 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.artifacts import link_tree
+from pipeline.backends.trtllm_pytorch.architectures import require_pytorch_architecture
 from pipeline.backends.trtllm_pytorch.checkpoint import require_hf_checkpoint
 from pipeline.config.build_config import BuildConfig
 
 
 def convert(cfg: BuildConfig, hf_dir: Path, out_dir: Path) -> dict[str, Any]:
     facts = require_hf_checkpoint(hf_dir)
+    require_pytorch_architecture(str(facts["architecture"] or ""))  # before anything is linked or calibrated
     link_tree(hf_dir, out_dir)
     return {**facts, "conversion": "none (the PyTorch backend loads the HF checkpoint)"}

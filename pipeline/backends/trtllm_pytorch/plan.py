@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from pipeline.backends.trtllm_pytorch import release
+from pipeline.backends.trtllm_pytorch.architectures import require_pytorch_architecture
 from pipeline.backends.trtllm_pytorch.checkpoint import HF_QUANT_CONFIG
 from pipeline.backends.trtllm_pytorch.llm_args import (
     LLM_API_ARGS_FILE,
@@ -69,6 +71,16 @@ def engine_lines(cfg: BuildConfig, workdir: Path) -> list[str]:
 _STAGES = {"convert": convert_lines, "quantize": quantize_lines, "engine": engine_lines}
 
 
+def check_architecture(cfg: BuildConfig, workdir: Path) -> None:
+    """Refuse, at plan time, an architecture the PyTorch backend does not load, once the HF checkpoint's
+    config.json is there to tell (a local source, or a fetched one)."""
+    config_path = _dirs(cfg, workdir, "convert")[0] / "config.json"
+    if config_path.is_file():
+        architectures = json.loads(config_path.read_text(encoding="utf-8")).get("architectures") or [""]
+        require_pytorch_architecture(str(architectures[0]))
+
+
 def plan(cfg: BuildConfig, workdir: Path, stage: str | None = None) -> list[str]:
     """Plan lines for one stage (convert, quantize, engine) or, with stage=None, all three."""
+    check_architecture(cfg, workdir)
     return [line for name in ([stage] if stage else list(_STAGES)) for line in _STAGES[name](cfg, workdir)]

@@ -13,29 +13,84 @@ from typing import Any
 
 import torch
 
+from pipeline.architectures import SUPPORTED_ARCHITECTURES
+from pipeline.backends.trtllm.architectures import MODEL_CLASS_FOR_ARCHITECTURE
 from pipeline.errors import UnsupportedModelError
+from pipeline.quantize.modelopt.formats import CONVERT_MODES
 from pipeline.quantize.modelopt.library import LOG_NAME, ModelOptLog
 from pipeline.runtime.engine_config import hf_rope
 from pipeline.sources.tokenizer import copy_tokenizer
 
-# HF architecture -> ModelOpt's decoder type (modelopt/torch/export/model_utils.py MODEL_NAME_TO_TYPE:
-# "Llama" and "Mistral" -> llama, "QWen" -> qwen), the architectures llmpipe converts.
+# HF architecture -> ModelOpt's decoder type: what its get_model_type gives (the first MODEL_NAME_TO_TYPE key
+# found in the model class name; modelopt/torch/export/model_utils.py of nvidia-modelopt 0.47.0, and
+# NVIDIA/Model-Optimizer:modelopt/torch/export/model_utils.py@0bb9291). Olmo2, Granite and SmolLM3 have none.
 DECODER_TYPES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
+    "MixtralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen",
+    "Qwen3ForCausalLM": "qwen",
+    "Qwen3MoeForCausalLM": "qwen3moe",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "Phi3ForCausalLM": "phi3",
 }
 
+# Why export_tensorrt_llm_checkpoint fails for an architecture where llmpipe runs ModelOpt (CPU, no
+# TensorRT-LLM, transformers 5), as observed with nvidia-modelopt 0.47.0 on a random 2-layer model of each
+# after FP8 calibration (tests/contract/upstream/modelopt_export.tsv). Without tensorrt_llm its
+# convert_to_tensorrt_llm_config writes configs for the decoder types gpt, gemma, llama and qwen only; its
+# build_moe_config takes llama, dbrx, phi3, deepseek and qwen MoE layers only.
+_NO_DECODER = "get_model_type gives it no decoder type"
+_NO_CONFIG = "it writes TensorRT-LLM configs for decoder types gpt, gemma, llama and qwen only when TensorRT-LLM is not installed"
+NO_TRTLLM_CHECKPOINT: dict[str, str] = {
+    "MixtralForCausalLM": "transformers 5 fuses Mixtral's experts into one module its exporter cannot index",
+    "Qwen3MoeForCausalLM": "its MoE export takes llama, dbrx, phi3, deepseek and qwen layers, not qwen3moe",
+    "Gemma2ForCausalLM": _NO_CONFIG,
+    "Gemma3ForCausalLM": _NO_CONFIG,
+    "Phi3ForCausalLM": _NO_CONFIG,
+    "Olmo2ForCausalLM": _NO_DECODER,
+    "GraniteForCausalLM": _NO_DECODER,
+    "SmolLM3ForCausalLM": _NO_DECODER,
+}
+# Those whose TensorRT-LLM checkpoint it exports (the engine route's calibrated formats).
+TRTLLM_CHECKPOINT_ARCHITECTURES: tuple[str, ...] = tuple(
+    a for a in DECODER_TYPES if a not in NO_TRTLLM_CHECKPOINT
+)
+# Those whose unified HF checkpoint (the trtllm_pytorch route's format) it exports: all of llmpipe's, as observed.
+UNIFIED_HF_ARCHITECTURES: tuple[str, ...] = SUPPORTED_ARCHITECTURES
 
-def architecture(hf_config: dict[str, Any]) -> str:
+# What the quantize step exports: a TensorRT-LLM checkpoint (backend trtllm) or a unified HF one (trtllm_pytorch).
+TRTLLM_EXPORT, HF_EXPORT = "trtllm", "hf"
+
+
+def hf_architecture(hf_config: dict[str, Any]) -> str:
     architectures = hf_config.get("architectures") or []
-    arch = str(architectures[0]) if architectures else ""
-    if arch not in DECODER_TYPES:
-        raise UnsupportedModelError(
-            f"architecture {arch or '(none)'} has no ModelOpt export in llmpipe",
-            hint=f"Supported: {', '.join(DECODER_TYPES)}.",
-        )
-    return arch
+    return str(architectures[0]) if architectures else ""
+
+
+def architecture(hf_config: dict[str, Any], export: str = TRTLLM_EXPORT) -> str:
+    """The checkpoint's architecture when ModelOpt exports it to `export`'s format here; else
+    UnsupportedModelError in one line that says why and what to use instead."""
+    arch = hf_architecture(hf_config)
+    name = arch or "(none)"
+    if export == HF_EXPORT:
+        if arch not in UNIFIED_HF_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"ModelOpt: architecture {name} has no unified HF checkpoint export in llmpipe; it exports "
+                f"{', '.join(UNIFIED_HF_ARCHITECTURES)}"
+            )
+        return arch
+    if arch in TRTLLM_CHECKPOINT_ARCHITECTURES:
+        return arch
+    why = NO_TRTLLM_CHECKPOINT.get(arch, "llmpipe has no record of ModelOpt exporting it")
+    instead = "use backend: trtllm_pytorch (ModelOpt's unified HF checkpoint)"
+    if arch in MODEL_CLASS_FOR_ARCHITECTURE:
+        instead += f", or a mode the engine route's convert applies itself ({', '.join(['none', *sorted(CONVERT_MODES)])})"
+    raise UnsupportedModelError(
+        f"ModelOpt cannot export a TensorRT-LLM checkpoint of architecture {name} here: {why}; it exports "
+        f"{', '.join(TRTLLM_CHECKPOINT_ARCHITECTURES)}; {instead}"
+    )
 
 
 def checkpoint_dtype(dtype: str, hf_config: dict[str, Any]) -> str:

@@ -16,6 +16,7 @@ from pipeline.config.build_config import BuildConfig
 from pipeline.errors import ConfigError, UnsupportedModelError
 from pipeline.quantize.modelopt.export import (
     DECODER_TYPES,
+    TRTLLM_EXPORT,
     architecture,
     checkpoint_dtype,
     export_trtllm_checkpoint,
@@ -27,9 +28,10 @@ from pipeline.quantize.modelopt.shapes import check_shapes, read_hf_config
 from pipeline.quantize.modelopt.state import save_state
 
 
-def check_config(cfg: BuildConfig, hf_config: dict[str, Any]) -> None:
+def check_config(cfg: BuildConfig, hf_config: dict[str, Any], export: str = TRTLLM_EXPORT) -> None:
     """Everything that can be refused before loading the model: the combination, the lm_head switch, the
-    architecture, the group/block size against the model's shapes."""
+    architecture (whether ModelOpt exports it to `export`'s format), the group/block size against the
+    model's shapes."""
     q = cfg.quantization
     check_supported(q.mode, q.kv_cache_dtype)
     if q.quantize_lm_head and q.mode != "fp8":
@@ -38,19 +40,22 @@ def check_config(cfg: BuildConfig, hf_config: dict[str, Any]) -> None:
             "output projection for mode=fp8 only",
             hint="Set quantization.quantize_lm_head: false, or use mode=fp8.",
         )
-    architecture(hf_config)
+    architecture(hf_config, export)
     check_shapes(hf_config, q.mode, q.group_size, cfg.parallel.tp_size)
 
 
 def quantize_checkpoint(
-    cfg: BuildConfig, hf_dir: Path, out_dir: Path, progress: bool = True
+    cfg: BuildConfig, hf_dir: Path, out_dir: Path, progress: bool = True, export: str = TRTLLM_EXPORT
 ) -> dict[str, Any]:
-    """Calibrate the HF checkpoint `hf_dir` with ModelOpt and export the TensorRT-LLM checkpoint (tp/pp from
-    `parallel`) into `out_dir`; the facts for the stage manifest."""
+    """Calibrate the HF checkpoint `hf_dir` with ModelOpt, save the calibrated state into `out_dir` and, for
+    `export` = TRTLLM_EXPORT, export the TensorRT-LLM checkpoint (tp/pp from `parallel`) there too; the facts
+    for the stage manifest. HF_EXPORT leaves the unified HF checkpoint to export.export_unified_hf_checkpoint,
+    which rebuilds the model from the saved state."""
     q, calib = cfg.quantization, cfg.quantization.calibration
     hf_config = read_hf_config(hf_dir)
-    check_config(cfg, hf_config)
-    version = require_modelopt(q.mode, DECODER_TYPES[architecture(hf_config)])
+    check_config(cfg, hf_config, export)
+    to_trtllm = export == TRTLLM_EXPORT
+    version = require_modelopt(q.mode, DECODER_TYPES[architecture(hf_config)] if to_trtllm else None)
     dtype = checkpoint_dtype(cfg.dtype, hf_config)
     tp, pp = cfg.parallel.tp_size, cfg.parallel.pp_size
     with (out_dir / LOG_NAME).open("w", encoding="utf-8") as stream:
@@ -64,9 +69,11 @@ def quantize_checkpoint(
             model = mtq.quantize(model, config, loop)
         calibrated = time.perf_counter()
         state_file = save_state(model, out_dir, log)
-        files = export_trtllm_checkpoint(model, hf_config, out_dir, dtype, tp, pp, log)
-    exported = json.loads((out_dir / "config.json").read_text(encoding="utf-8"))["quantization"]
-    _check_exported(cfg, exported)
+        files = export_trtllm_checkpoint(model, hf_config, out_dir, dtype, tp, pp, log) if to_trtllm else []
+    exported: dict[str, Any] = {}
+    if to_trtllm:
+        exported = json.loads((out_dir / "config.json").read_text(encoding="utf-8"))["quantization"]
+        _check_exported(cfg, exported)
     return {
         "route": "modelopt",
         "modelopt_version": version,

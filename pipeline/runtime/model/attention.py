@@ -47,7 +47,11 @@ class _QKNorm:
     the whole projection (OLMo 2)."""
 
     def __init__(self, config: ModelConfig) -> None:
-        self.heads, self.kv_heads, self.d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.heads, self.kv_heads, self.d = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+        )
         self.per_head = config.qk_norm == "per_head"
         self.eps = config.norm_epsilon
 
@@ -73,7 +77,7 @@ class KernelAttention:
         self.qk_norm = _QKNorm(config) if config.qk_norm else None
         self._step_args: tuple[Any, ...] = ()
         # Per layer: K, V, K scales, V scales (scales None unless int8), then the RoPE table.
-        self._layer_args = [
+        self._layer_args: list[tuple[Any, ...]] = [
             (*cache, layer.cos_sin)
             for cache, layer in zip(
                 zip(kv_cache.k, kv_cache.v, kv_cache.k_scales, kv_cache.v_scales, strict=True),

@@ -60,7 +60,9 @@ class DecoderModel:
             hidden.add_(mlp_out)
         return hidden
 
-    def _normed(self, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | None) -> torch.Tensor:
+    def _normed(
+        self, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | None
+    ) -> torch.Tensor:
         """hidden += delta, then the norm's output; without a norm (OLMo 2), the residual stream itself."""
         if weight is not None:
             return self.norm(hidden, delta, weight)

@@ -129,7 +129,7 @@ def expected_dense_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
     )
     for i in range(model.num_hidden_layers):
         p = f"transformer.layers.{i}."
-        layer = {
+        layer: dict[str, tuple[int, ...] | None] = {
             "attention.qkv.weight": (qkv_rows, hidden),
             "attention.qkv.bias": (qkv_rows,) if model.qkv_bias else None,
             "attention.dense.weight": (hidden, heads * d),
@@ -226,7 +226,9 @@ def load_model_weights(
                     mlp_output_norm=optional(p + "mlp.output_norm.weight"),
                     q_norm=optional(p + "attention.q_norm.weight"),
                     k_norm=optional(p + "attention.k_norm.weight"),
-                    moe=_moe_weights(tensors, p, model, device, dtype, layer_weight_dtype) if sparse else None,
+                    moe=_moe_weights(tensors, p, model, device, dtype, layer_weight_dtype)
+                    if sparse
+                    else None,
                 )
             )
         lm_head = linear("lm_head")

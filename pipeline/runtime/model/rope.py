@@ -94,7 +94,9 @@ def rotary_cos_sin(config: ModelConfig, max_positions: int, local: bool = False)
     d = config.head_dim
     rotary_dim = config.rotary_dim or d
     if local and config.local_rotary_base is not None:
-        inv_freq, factor = rotary_inv_freq(rotary_dim, config.local_rotary_base, None, config.max_position_embeddings)
+        inv_freq, factor = rotary_inv_freq(
+            rotary_dim, config.local_rotary_base, None, config.max_position_embeddings
+        )
     else:
         inv_freq, factor = rotary_inv_freq(
             rotary_dim, config.rotary_base, config.rotary_scaling, config.max_position_embeddings

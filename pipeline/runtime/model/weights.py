@@ -34,7 +34,9 @@ class LayerWeights:
     post_norm: torch.Tensor | None  # [hidden]: RMSNorm before the MLP; None = the MLP reads the residual
     gate_up: Linear | None  # hidden -> 2 * intermediate (gate rows, then up rows); None in a sparse layer
     proj: Linear | None  # intermediate -> hidden; None in a sparse layer
-    attention_output_norm: torch.Tensor | None = None  # [hidden]: RMSNorm of the attention output (Gemma, OLMo 2)
+    attention_output_norm: torch.Tensor | None = (
+        None  # [hidden]: RMSNorm of the attention output (Gemma, OLMo 2)
+    )
     mlp_output_norm: torch.Tensor | None = None  # [hidden]: RMSNorm of the MLP output (Gemma, OLMo 2)
     q_norm: torch.Tensor | None = None  # [D] per head (Qwen3, Gemma 3) or [H * D] (OLMo 2), before RoPE
     k_norm: torch.Tensor | None = None  # [D] per head or [KV * D]

@@ -105,7 +105,9 @@ def _padded_batch(
     key_pos = torch.arange(block_tables.shape[1] * block_size, device=device)
     causal = key_pos[None, None, :] <= query_pos[:, :, None]
     masks = {
-        window: (causal & (key_pos[None, None, :] > query_pos[:, :, None] - window) if window else causal)[:, None]
+        window: (causal & (key_pos[None, None, :] > query_pos[:, :, None] - window) if window else causal)[
+            :, None
+        ]
         for window in windows
     }
     return PaddedBatch(

@@ -194,7 +194,12 @@ class ModelRunner:
             (layer.gate_up, model.hidden_size),
             (layer.proj, model.intermediate_size),
         ]
-        rows = [(linear, torch.randn(1, width, dtype=self.dtype)) for linear, width in inputs]
+        # A sparse layer has no dense MLP: its attention projections alone decide.
+        rows = [
+            (linear, torch.randn(1, width, dtype=self.dtype))
+            for linear, width in inputs
+            if linear is not None
+        ]
 
         def seconds_per_pass(count: int) -> float:
             torch.set_num_threads(count)

@@ -23,9 +23,11 @@ import torch.nn.functional as F
 from pipeline.backends.trtllm.inspect.onnx_check import check_onnx_file
 from pipeline.errors import UnsupportedModelError
 from pipeline.runtime.engine_config import ModelConfig, load_engine_config
-from pipeline.runtime.model.layers import DenseLinear, Linear, apply_rope, rotary_cos_sin
-from pipeline.runtime.model.loader import load_llama_weights
-from pipeline.runtime.model.weights import LlamaWeights
+from pipeline.runtime.model.attention import apply_rope
+from pipeline.runtime.model.layers import DenseLinear, Linear
+from pipeline.runtime.model.loader import load_model_weights
+from pipeline.runtime.model.rope import rotary_cos_sin
+from pipeline.runtime.model.weights import ModelWeights
 
 OPSET = 17
 INPUT_NAMES = ["input_ids", "positions", "past_keys", "past_values"]
@@ -44,8 +46,12 @@ def _linear(layer: Linear, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, layer.weight, layer.bias)
 
 
+# Architectures whose engines are plain pre-norm SwiGLU decoders, which the exported step spells out.
+LLAMA_LAYOUT = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
 class DecoderStep(torch.nn.Module):
-    def __init__(self, config: ModelConfig, weights: LlamaWeights) -> None:
+    def __init__(self, config: ModelConfig, weights: ModelWeights) -> None:
         super().__init__()
         self.config, self.weights = config, weights
         # A plain attribute, not a buffer: the tracer folds it into the graph as a constant.
@@ -87,6 +93,8 @@ class DecoderStep(torch.nn.Module):
         hidden = F.embedding(input_ids, w.embedding)  # [B, hidden]
         presents_k, presents_v = [], []
         for i, layer in enumerate(w.layers):
+            assert layer.input_norm is not None and layer.post_norm is not None  # the Llama layout
+            assert layer.gate_up is not None and layer.proj is not None
             x = _rms_norm(hidden, layer.input_norm, c.norm_epsilon)
             attn, keys, values = self._attention(
                 _linear(layer.qkv, x), cos, sin, past_keys[i], past_values[i]
@@ -113,7 +121,12 @@ def load_decoder_step(engine_dir: Path) -> DecoderStep:
         raise UnsupportedModelError(
             f"{engine_dir}: sliding-window attention is not part of the exported step"
         )
-    weights = load_llama_weights(engine, torch.device("cpu"), torch.float32)
+    if model.architecture not in LLAMA_LAYOUT:
+        raise UnsupportedModelError(
+            f"{engine_dir}: the exported step is the Llama layout ({', '.join(LLAMA_LAYOUT)}); "
+            f"this engine is {model.architecture}"
+        )
+    weights = load_model_weights(engine, torch.device("cpu"), torch.float32)
     return DecoderStep(model, weights).eval()
 
 
