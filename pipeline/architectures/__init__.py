@@ -21,13 +21,7 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
 
 # Architectures whose HF decoder layer has Llama's modules and norm order, which the torch backend's
 # calibrated quantizers (AWQ, GPTQ, grid tuning) run block by block.
-CALIBRATED_ARCHITECTURES: tuple[str, ...] = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "SmolLM3ForCausalLM",
-)
+CALIBRATED_ARCHITECTURES: tuple[str, ...] = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
 def torch_quantization_problem(pretrained: dict[str, object], mode: str, calibrated: bool) -> str | None:

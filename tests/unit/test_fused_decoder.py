@@ -1,6 +1,6 @@
 """The fused decoder-layer kernel equals the op-by-op torch computation (dequantize + matmul, F.rms_norm,
-F.silu) for every weight format, row count and thread count, and a model step through it equals the
-op-by-op path."""
+F.silu / F.gelu) for every weight format, norm layout, activation, row count and thread count, and a model step
+through it equals the op-by-op path."""
 
 from __future__ import annotations
 
@@ -17,10 +17,12 @@ import torch.nn.functional as F
 from pipeline.runtime.engine_config import model_config_from_dict
 from pipeline.runtime.kernels import build
 from pipeline.runtime.kernels import ops as kernels
+from pipeline.runtime.model.attention import LayerAttention, TorchAttention
+from pipeline.runtime.model.decoder import DecoderModel
 from pipeline.runtime.model.fused_decoder import FusedDecoder
-from pipeline.runtime.model.layers import DenseLinear, ResidualRMSNorm, TorchAttention, rotary_cos_sin
-from pipeline.runtime.model.llama import LlamaModel
-from pipeline.runtime.model.weights import LayerWeights, LlamaWeights
+from pipeline.runtime.model.layers import DenseLinear, ResidualRMSNorm
+from pipeline.runtime.model.rope import rotary_cos_sin
+from pipeline.runtime.model.weights import LayerWeights, ModelWeights, MoEWeights
 from pipeline.runtime.quant.linear import QuantLinear
 from pipeline.runtime.worker.attn_metadata import SequenceChunk, build_attention_metadata
 from pipeline.runtime.worker.kv_cache import KVCache
@@ -43,6 +45,14 @@ FORMATS = [
 # bf16 outputs may differ from the reference's by one activation crossing a bf16 rounding boundary (2^-9
 # relative) where the kernel's fp32 sums and torch's differ in the last bit.
 BF16_TOLERANCE = 2e-3
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+# name: (activation, which norms a layer has: [attention output, post-attention (pre-MLP), MLP output, next]).
+LAYOUTS = {
+    "llama": ("silu", (False, True, False, True)),
+    "pre-gelu": ("gelu_pytorch_tanh", (False, True, False, True)),
+    "sandwich": ("gelu_pytorch_tanh", (True, True, True, True)),  # Gemma 2/3
+    "post": ("silu", (True, False, True, False)),  # OLMo 2: the next q/k/v reads the residual stream
+}
 
 
 @pytest.fixture
@@ -65,16 +75,45 @@ def make_linear(out_f: int, in_f: int, scheme: str | None, group: int | None, se
     return q, q.dequantize()
 
 
-def reference(hidden, attn, deq, biases, norms, inter, bf16_inputs=False):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+    return x if weight is None else F.rms_norm(x, (x.shape[1],), weight, EPS)
+
+
+def reference(hidden, attn, deq, biases, norms, inter, act="silu", bf16_inputs=False):
     """Op by op in torch, HF's order of operations: returns (updated hidden, next layer's qkv)."""
     dense, gate_up, down, qkv = deq
+    attention_output_norm, post_norm, mlp_output_norm, next_norm = norms
     r = (lambda t: t.bfloat16().float()) if bf16_inputs else (lambda t: t)
-    hidden = hidden + r(attn) @ dense.T
-    x = F.rms_norm(hidden, (hidden.shape[1],), norms[0], EPS)
-    gu = r(x) @ gate_up.T
-    hidden = hidden + r(F.silu(gu[:, :inter]) * gu[:, inter:]) @ down.T
-    x = F.rms_norm(hidden, (hidden.shape[1],), norms[1], EPS)
-    return hidden, r(x) @ qkv.T + biases
+    hidden = hidden + rms_norm(r(attn) @ dense.T, attention_output_norm)
+    gu = r(rms_norm(hidden, post_norm)) @ gate_up.T
+    hidden = hidden + rms_norm(r(ACTIVATIONS[act](gu[:, :inter]) * gu[:, inter:]) @ down.T, mlp_output_norm)
+    return hidden, r(rms_norm(hidden, next_norm)) @ qkv.T + biases
+
+
+def check_layer(
+    name: str, scheme: str | None, group: int | None, rows: int, hidden_size: int, inter: int, layout: str
+) -> None:
+    act, has_norm = LAYOUTS[layout]
+    shapes = [(hidden_size, hidden_size), (2 * inter, hidden_size), (hidden_size, inter), (160, hidden_size)]
+    layers = [make_linear(o, i, scheme, group, seed, bias=seed == 3) for seed, (o, i) in enumerate(shapes)]
+    gen = torch.Generator().manual_seed(9)
+    hidden = torch.randn(rows, hidden_size, generator=gen)
+    attn = torch.randn(rows, hidden_size, generator=gen)
+    norms = [torch.rand(hidden_size, generator=gen) + 0.5 if has else None for has in has_norm]
+    qkv_bias = layers[3][0].bias
+    assert qkv_bias is not None
+    bf16 = scheme == "bf16"
+    deq = [d for _, d in layers]
+    ref_hidden, ref_qkv = reference(hidden, attn, deq, qkv_bias, norms, inter, act, bf16)
+    _, unrounded_qkv = reference(hidden, attn, deq, qkv_bias, norms, inter, act)
+
+    plan = FusedDecoder.plan([FusedDecoder.layer_args([lin for lin, _ in layers], norms)], EPS, act)
+    out = plan.run(0, hidden, attn)  # hidden is updated in place
+    for got, want in ((hidden, ref_hidden), (out, ref_qkv)):
+        assert got.shape == want.shape
+        assert (got - want).abs().max() <= (BF16_TOLERANCE if bf16 else 1e-5) * want.abs().max(), name
+    if bf16:  # the kernel rounds its inputs as the reference does: closer to it than to unrounded inputs
+        assert (out - ref_qkv).abs().max() < (out - unrounded_qkv).abs().max()
 
 
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
@@ -84,43 +123,51 @@ def reference(hidden, attn, deq, biases, norms, inter, bf16_inputs=False):
 def test_layer_matches_op_by_op(
     threads: int, name: str, scheme: str | None, group: int | None, rows: int, hidden_size: int, inter: int
 ) -> None:
-    shapes = [(hidden_size, hidden_size), (2 * inter, hidden_size), (hidden_size, inter), (160, hidden_size)]
-    layers = [make_linear(o, i, scheme, group, seed, bias=seed == 3) for seed, (o, i) in enumerate(shapes)]
-    gen = torch.Generator().manual_seed(9)
-    hidden = torch.randn(rows, hidden_size, generator=gen)
-    attn = torch.randn(rows, hidden_size, generator=gen)
-    norms = [torch.rand(hidden_size, generator=gen) + 0.5 for _ in range(2)]
-    qkv_bias = layers[3][0].bias
-    assert qkv_bias is not None
-    bf16 = scheme == "bf16"
-    ref_hidden, ref_qkv = reference(hidden, attn, [d for _, d in layers], qkv_bias, norms, inter, bf16)
-    _, unrounded_qkv = reference(hidden, attn, [d for _, d in layers], qkv_bias, norms, inter)
+    check_layer(name, scheme, group, rows, hidden_size, inter, "llama")
 
-    plan = FusedDecoder.plan([FusedDecoder.layer_args([lin for lin, _ in layers], norms)], EPS)
-    out = plan.run(0, hidden, attn)  # hidden is updated in place
-    for got, want in ((hidden, ref_hidden), (out, ref_qkv)):
-        assert got.shape == want.shape
-        assert (got - want).abs().max() <= (BF16_TOLERANCE if bf16 else 1e-5) * want.abs().max(), name
-    if bf16:  # the kernel rounds its inputs as the reference does: closer to it than to unrounded inputs
-        assert (out - ref_qkv).abs().max() < (out - unrounded_qkv).abs().max()
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize(("name", "scheme", "group"), FORMATS, ids=[f[0] for f in FORMATS])
+@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "llama"])
+def test_other_layouts_match_op_by_op(
+    threads: int, name: str, scheme: str | None, group: int | None, rows: int, layout: str
+) -> None:
+    check_layer(name, scheme, group, rows, 576, 1536, layout)
+
+
+def test_gelu_matches_torch_over_its_range() -> None:
+    """The kernel's x / (1 + e^(-2 y)) form of the tanh gelu, where torch computes 0.5 x (1 + tanh(y)): both are
+    within ~1e-7 (1 + |x|) of the exact value, so within twice that of each other."""
+    x = torch.linspace(-12, 12, 4099)
+    # One value per row; the MLP output lands in column 1.
+    hidden = torch.stack((x, torch.zeros_like(x)), dim=1)
+    gate_up = DenseLinear(torch.tensor([[1.0, 0.0], [0.0, 0.0]]), torch.tensor([0.0, 1.0]))  # gate x, up 1
+    down = DenseLinear(torch.tensor([[0.0], [1.0]]))
+    dense = DenseLinear(torch.zeros(2, 2))
+    entry = FusedDecoder.layer_args([dense, gate_up, down, None], [None] * 4)
+    FusedDecoder.plan([entry], EPS, "gelu_pytorch_tanh").run(0, hidden, torch.zeros_like(hidden))
+    want = F.gelu(x, approximate="tanh")
+    assert ((hidden[:, 1] - want).abs() <= 2e-7 * (1 + x.abs())).all()
 
 
 def test_entry_and_exit_calls() -> None:
-    """No attn: only the next norm + q/k/v; no next q/k/v: the normed rows; no next norm: nothing."""
+    """No attn: only the next norm + q/k/v; no next q/k/v: the normed rows; no next norm: the q/k/v of the
+    residual stream itself."""
     lin, w = make_linear(32, 64, None, None, 0)
     gen = torch.Generator().manual_seed(1)
     hidden, norm = torch.randn(3, 64, generator=gen), torch.rand(64, generator=gen) + 0.5
     before = hidden.clone()
     entries = [
-        FusedDecoder.layer_args([None, None, None, lin], [None, norm]),
-        FusedDecoder.layer_args([None] * 4, [None, norm]),
-        FusedDecoder.layer_args([None] * 4, [norm, None]),
+        FusedDecoder.layer_args([None, None, None, lin], [None, None, None, norm]),
+        FusedDecoder.layer_args([None] * 4, [None, None, None, norm]),
+        FusedDecoder.layer_args([None, None, None, lin], [None] * 4),
     ]
     plan = FusedDecoder.plan(entries, EPS)
     normed = F.rms_norm(before, (64,), norm, EPS)
     assert torch.allclose(plan.run(0, hidden, None), normed @ w.T, atol=1e-5)
     assert torch.allclose(plan.run(1, hidden, None), normed)
-    assert plan.run(2, hidden, None).shape == (0, 64)
+    assert torch.allclose(plan.run(2, hidden, None), before @ w.T, atol=1e-5)
     assert torch.equal(hidden, before)
     with pytest.raises(RuntimeError, match="takes no attn"):
         plan.run(0, hidden, torch.randn(3, 64))
@@ -132,45 +179,67 @@ def test_rejects_layers_that_do_not_chain() -> None:
     dense, _ = make_linear(64, 64, None, None, 0)
     gate_up, _ = make_linear(2 * 96, 64, None, None, 1)
     down, _ = make_linear(64, 95, None, None, 2)  # should take 96 inputs
-    norm = torch.ones(64)
+    norms = [None, torch.ones(64), None, None]
     with pytest.raises(RuntimeError, match="do not chain"):
-        FusedDecoder.plan([FusedDecoder.layer_args([dense, gate_up, down, None], [norm, None])], EPS)
+        FusedDecoder.plan([FusedDecoder.layer_args([dense, gate_up, down, None], norms)], EPS)
     down, _ = make_linear(64, 96, None, None, 2)
-    plan = FusedDecoder.plan([FusedDecoder.layer_args([dense, gate_up, down, None], [norm, None])], EPS)
+    with pytest.raises(RuntimeError, match="activation must be"):
+        FusedDecoder.plan([FusedDecoder.layer_args([dense, gate_up, down, None], norms)], EPS, "relu")
+    with pytest.raises(RuntimeError, match="norms but no dense"):
+        FusedDecoder.plan([FusedDecoder.layer_args([None] * 4, norms)], EPS)
+    plan = FusedDecoder.plan([FusedDecoder.layer_args([dense, gate_up, down, None], norms)], EPS)
     with pytest.raises(RuntimeError, match="hidden"):
         plan.run(0, torch.randn(2, 64).double(), torch.randn(2, 64))
+    assert plan.run(0, torch.randn(2, 64), torch.randn(2, 64)).shape == (0, 64)  # no next layer: no output
 
 
+# name: (config.norm_layout, hidden_act); a layer has the norms its layout names (see DecoderModel).
+MODEL_LAYOUTS = {
+    "llama": ("pre", "silu"),
+    "gemma": ("sandwich", "gelu_pytorch_tanh"),
+    "olmo2": ("post", "silu"),
+}
+
+
+@pytest.mark.parametrize("layout", list(MODEL_LAYOUTS))
 @pytest.mark.parametrize(("scheme", "group"), [(None, None), ("bf16", None), ("int8", None), ("int4", 32)])
-def test_model_step_equals_op_by_op_path(scheme: str | None, group: int | None) -> None:
+def test_model_step_equals_op_by_op_path(layout: str, scheme: str | None, group: int | None) -> None:
     """A prefill and then decode steps of 3 sequences: fused and op-by-op forwards give the same hidden states
     (bf16: to bf16 rounding, as the op-by-op GEMMs may round their outputs to bf16 too)."""
+    norm_layout, act = MODEL_LAYOUTS[layout]
     config = model_config_from_dict(
         {
             "architecture": "LlamaForCausalLM", "dtype": "float32", "vocab_size": 50, "hidden_size": 64,
             "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-            "intermediate_size": 96, "max_position_embeddings": 128, "norm_epsilon": EPS, "hidden_act": "silu",
+            "intermediate_size": 96, "max_position_embeddings": 128, "norm_epsilon": EPS, "hidden_act": act,
+            "norm_layout": norm_layout,
         }
     )  # fmt: skip
     gen = torch.Generator().manual_seed(0)
+
+    def norm(present: bool) -> torch.Tensor | None:
+        return torch.rand(64, generator=gen) + 0.5 if present else None
+
     layers = [
         LayerWeights(
-            input_norm=torch.rand(64, generator=gen) + 0.5,
+            input_norm=norm(norm_layout != "post"),
             qkv=make_linear(128, 64, scheme, group, 10 * i)[0],
             dense=make_linear(64, 64, scheme, group, 10 * i + 1)[0],
-            post_norm=torch.rand(64, generator=gen) + 0.5,
+            post_norm=norm(norm_layout != "post"),
             gate_up=make_linear(192, 64, scheme, group, 10 * i + 2)[0],
             proj=make_linear(64, 96, scheme, group, 10 * i + 3)[0],
+            attention_output_norm=norm(norm_layout != "pre"),
+            mlp_output_norm=norm(norm_layout != "pre"),
         )
         for i in range(3)
     ]
     embedding = torch.randn(50, 64, generator=gen)
-    weights = LlamaWeights(embedding, layers, torch.ones(64), DenseLinear(embedding))
+    weights = ModelWeights(embedding, layers, torch.ones(64), DenseLinear(embedding))
     results = []
     for fused in (True, False):
         cache = KVCache(config, 16, 4, torch.float32, torch.device("cpu"), zero=True)
-        attention = TorchAttention(cache, config, rotary_cos_sin(config, 128))
-        model = LlamaModel(config, weights, attention, ResidualRMSNorm(False, 64, EPS))
+        attention = TorchAttention(cache, config, [LayerAttention(rotary_cos_sin(config, 128), None)] * 3)
+        model = DecoderModel(config, weights, attention, ResidualRMSNorm(False, 64, EPS))
         assert model.fused is not None
         if not fused:
             model.fused = None
@@ -189,6 +258,27 @@ def test_model_step_equals_op_by_op_path(scheme: str | None, group: int | None) 
             assert torch.allclose(fused_step, plain_step, atol=1e-5, rtol=1e-5)
 
 
+def test_model_falls_back_for_moe_and_other_activations() -> None:
+    """FusedDecoder.build declines what the kernel does not compute: sparse layers, another activation."""
+    layer = LayerWeights(
+        torch.ones(64),
+        *(DenseLinear(torch.randn(o, i)) for o, i in ((128, 64), (64, 64))),
+        torch.ones(64),
+        *(DenseLinear(torch.randn(o, i)) for o, i in ((192, 64), (64, 96))),
+    )
+    embedding = torch.randn(50, 64)
+    weights = ModelWeights(embedding, [layer], torch.ones(64), DenseLinear(embedding))
+    base = {
+        "architecture": "LlamaForCausalLM", "dtype": "float32", "vocab_size": 50, "hidden_size": 64,
+        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "intermediate_size": 96, "max_position_embeddings": 128, "norm_epsilon": EPS, "hidden_act": "silu",
+    }  # fmt: skip
+    assert FusedDecoder.build(model_config_from_dict(base), weights) is not None
+    assert FusedDecoder.build(model_config_from_dict({**base, "hidden_act": "gelu"}), weights) is None
+    layer.moe = MoEWeights(torch.randn(2, 64), [], [], 1, True)
+    assert FusedDecoder.build(model_config_from_dict(base), weights) is None
+
+
 # Run in a fresh interpreter: the kernel library is picked and loaded once per process.
 ISA_SCRIPT = """
 import torch, torch.nn.functional as F
@@ -202,15 +292,25 @@ if kernels.kernels_available():
     torch.set_num_threads(2)
     g = torch.Generator().manual_seed(0)
     ws = [torch.randn(o, i, generator=g) * i**-0.5 for o, i in ((576, 576), (3072, 576), (576, 1536), (960, 576))]
-    norms = [torch.rand(576, generator=g) + 0.5 for _ in range(2)]
+    n = [torch.rand(576, generator=g) + 0.5 for _ in range(4)]
+    norms = [None, n[1], None, n[3]]
+    rms = lambda t, w: F.rms_norm(t, (576,), w, 1e-5)
     plan = FusedDecoder.plan([FusedDecoder.layer_args([DenseLinear(w) for w in ws], norms)], 1e-5)
+    gemma = FusedDecoder.plan([FusedDecoder.layer_args([DenseLinear(w) for w in ws], n)], 1e-5, "gelu_pytorch_tanh")
     for rows in (1, 16):
         hidden, attn = torch.randn(rows, 576, generator=g), torch.randn(rows, 576, generator=g)
         h = hidden + attn @ ws[0].T
-        gu = F.rms_norm(h, (576,), norms[0], 1e-5) @ ws[1].T
+        gu = rms(h, n[1]) @ ws[1].T
         h = h + (F.silu(gu[:, :1536]) * gu[:, 1536:]) @ ws[2].T
-        want = F.rms_norm(h, (576,), norms[1], 1e-5) @ ws[3].T
+        want = rms(h, n[3]) @ ws[3].T
         got = plan.run(0, hidden, attn)
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max() and torch.allclose(hidden, h, atol=1e-4)
+        hidden = torch.randn(rows, 576, generator=g)
+        h = hidden + rms(attn @ ws[0].T, n[0])
+        gu = rms(h, n[1]) @ ws[1].T
+        h = h + rms((F.gelu(gu[:, :1536], approximate="tanh") * gu[:, 1536:]) @ ws[2].T, n[2])
+        want = rms(h, n[3]) @ ws[3].T
+        got = gemma.run(0, hidden, attn)
         assert (got - want).abs().max() <= 1e-5 * want.abs().max() and torch.allclose(hidden, h, atol=1e-4)
         # bf16 weights: bf16 dot products, or (below AVX512_BF16) widened weights and rounded activations.
         r = lambda t: t.bfloat16().float()
@@ -218,9 +318,9 @@ if kernels.kernels_available():
         plan16 = FusedDecoder.plan([FusedDecoder.layer_args([DenseLinear(w.bfloat16()) for w in ws], norms)], 1e-5)
         hidden = torch.randn(rows, 576, generator=g)
         h = hidden + r(attn) @ wb[0].T
-        gu = r(F.rms_norm(h, (576,), norms[0], 1e-5)) @ wb[1].T
+        gu = r(rms(h, n[1])) @ wb[1].T
         h = h + r(F.silu(gu[:, :1536]) * gu[:, 1536:]) @ wb[2].T
-        want = r(F.rms_norm(h, (576,), norms[1], 1e-5)) @ wb[3].T
+        want = r(rms(h, n[3])) @ wb[3].T
         assert (plan16.run(0, hidden, attn) - want).abs().max() <= 2e-3 * want.abs().max()
         head = torch.randn(5000, 576, generator=g)
         x = torch.randn(rows, 576, generator=g)
@@ -278,7 +378,7 @@ from pipeline.runtime.engine_config import model_config_from_dict
 from pipeline.runtime.model.fused_decoder import FusedDecoder
 from pipeline.runtime.model.greedy_head import GreedyLMHead
 from pipeline.runtime.model.layers import DenseLinear
-from pipeline.runtime.model.weights import LayerWeights, LlamaWeights
+from pipeline.runtime.model.weights import LayerWeights, ModelWeights
 config = model_config_from_dict({
     "architecture": "LlamaForCausalLM", "dtype": "float32", "vocab_size": 50, "hidden_size": 64,
     "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
@@ -286,7 +386,7 @@ config = model_config_from_dict({
 dense = lambda o, i: DenseLinear(torch.randn(o, i))
 layer = LayerWeights(torch.ones(64), dense(128, 64), dense(64, 64), torch.ones(64), dense(192, 64), dense(64, 96))
 embedding = torch.randn(50, 64)
-weights = LlamaWeights(embedding, [layer], torch.ones(64), DenseLinear(embedding))
+weights = ModelWeights(embedding, [layer], torch.ones(64), DenseLinear(embedding))
 print(FusedDecoder.build(config, weights), GreedyLMHead.supports(embedding))
 """
 

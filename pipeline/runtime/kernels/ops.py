@@ -106,6 +106,7 @@ def decoder_plan(
     norms: list[torch.Tensor | None],
     group_sizes: list[int],
     eps: float,
+    activation: str = "silu",
 ) -> Any:
     """A `torch.classes.llmpipe_quant.DecoderPlan`: validated decoder-layer steps whose `run(i, hidden, attn)`
     computes entry i's dense part in one call, updating the residual stream hidden [M, H] in place.
@@ -113,13 +114,17 @@ def decoder_plan(
     Per entry: 4 x [weight, scales, zeros, bias] in `linears` (None where absent) for the attention output
     projection, the fused gate/up projection (gate rows first), the down projection and the next layer's fused
     q/k/v, the weight's dtype picking the format (float32, int8 per channel, uint8 packed int4 with the entry's
-    `group_sizes`); [post-attention norm, next norm] weights in `norms`. `run` with attn [M, dense in]:
-    hidden += attn @ dense.T, then hidden += down(silu(gate(x)) * up(x)) with x = rms_norm(hidden) * post_norm;
-    then, with a next norm, it returns next_qkv(rms_norm(hidden) * next_norm), or the normed rows themselves
-    without next_qkv; without one, an empty [0, H] tensor. The plan keeps the weights alive.
+    `group_sizes`); [attention output, post-attention (pre-MLP), MLP output, next] RMSNorm weights in `norms`,
+    each None where the layer has none. `run` with attn [M, dense in]:
+        a = attn @ dense.T;  hidden += rms_norm(a) * attention_output_norm, or a without that norm
+        x = rms_norm(hidden) * post_norm, or hidden
+        m = down(act(gate(x)) * up(x));  hidden += rms_norm(m) * mlp_output_norm, or m
+    with act = silu or gelu_pytorch_tanh (`activation`). Then, with a next norm or next_qkv, it returns
+    next_qkv(x) for x = rms_norm(hidden) * next_norm (or hidden), or x itself without next_qkv; with neither,
+    an empty [0, H] tensor. The plan keeps the weights alive.
     """
     _op("gemm_f32")  # builds and loads the library, or raises why not
-    return torch.classes.llmpipe_quant.DecoderPlan(linears, norms, group_sizes, eps)
+    return torch.classes.llmpipe_quant.DecoderPlan(linears, norms, group_sizes, eps, activation)
 
 
 def greedy_argmax(
@@ -152,12 +157,14 @@ def paged_attention(
     window: int,
     max_context: int,
     scale: float,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """One layer's RoPE (on the query and key heads of qkv [T, (H + 2 KV) D], in place), K/V cache write and
     causal attention over the paged cache -> [T, H D]. The caches are [num_blocks * block_size, KV, D] fp32,
     bf16 or int8 (the int8 one with fp32 k_scales/v_scales [num_blocks * block_size, KV]); the rest is an
     `AttentionMetadata`'s (positions, slots int64 [T]; block_tables [S, max_blocks], token_seq [T] int32) and
-    the RoPE table cos_sin [max_positions, D]. window 0 = none; scale multiplies q . k."""
+    the RoPE table cos_sin [max_positions, D]. window 0 = none; scale multiplies q . k; softcap > 0 caps each
+    score s to softcap * tanh(s / softcap) before the mask and softmax (Gemma 2), 0 = none."""
     return _op("paged_attention")(
         qkv,
         k_cache,
@@ -174,6 +181,7 @@ def paged_attention(
         window,
         max_context,
         scale,
+        softcap,
     )
 
 

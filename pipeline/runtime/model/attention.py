@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -75,9 +75,11 @@ class KernelAttention:
         self.config = config
         self.layers = list(layers)
         self.qk_norm = _QKNorm(config) if config.qk_norm else None
-        self._step_args: tuple[Any, ...] = ()
+        self._step_args: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int] | None = None
         # Per layer: K, V, K scales, V scales (scales None unless int8), then the RoPE table.
-        self._layer_args: list[tuple[Any, ...]] = [
+        self._layer_args: list[
+            tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]
+        ] = [
             (*cache, layer.cos_sin)
             for cache, layer in zip(
                 zip(kv_cache.k, kv_cache.v, kv_cache.k_scales, kv_cache.v_scales, strict=True),
@@ -103,13 +105,25 @@ class KernelAttention:
 
     def __call__(self, layer: int, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         params, c = self.layers[layer], self.config
+        assert self._step_args is not None, "begin_step first"
         if self.qk_norm is not None:
             assert params.q_norm is not None and params.k_norm is not None
             self.qk_norm(qkv, params.q_norm, params.k_norm)
+        k, v, k_scales, v_scales, cos_sin = self._layer_args[layer]
+        positions, slots, block_tables, token_seq, num_heads, block_size = self._step_args
         return kernels.paged_attention(
             qkv,
-            *self._layer_args[layer],
-            *self._step_args,
+            k,
+            v,
+            k_scales,
+            v_scales,
+            cos_sin,
+            positions,
+            slots,
+            block_tables,
+            token_seq,
+            num_heads,
+            block_size,
             params.window or 0,
             meta.max_context_len,
             attention_scale(c),

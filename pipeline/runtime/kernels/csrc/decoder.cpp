@@ -1,4 +1,4 @@
-// A decoder layer's dense part (attention output projection, residual adds, RMSNorms, SwiGLU MLP and the next
+// A decoder layer's dense part (attention output projection, residual adds, RMSNorms, gated MLP and the next
 // layer's q/k/v projection) for few token rows, in one OpenMP parallel region (see decoder.h).
 //
 // Why: in decode each of these ops is a few tens of microseconds of work, and running them as ~10 separate
@@ -8,7 +8,9 @@
 // dynamically, so a thread the OS delays on a busy machine does less of the work instead of holding the rest.
 //
 // Numerics: each output is the same dot product as the per-layer kernels (qgemv.cpp) compute, RMSNorm and
-// SiLU follow HF's order of operations (x * rsqrt(mean(x^2) + eps) * weight; x / (1 + exp(-x))).
+// SiLU follow HF's order of operations (x * rsqrt(mean(x^2) + eps) * weight; x / (1 + exp(-x))). The tanh gelu
+// 0.5 x (1 + tanh(y)) is computed as x / (1 + exp(-2 y)), the same function without tanh's cancellation near
+// -1 (torch's own float result carries that cancellation, so the two agree to ~1e-7 of x).
 #include "decoder.h"
 
 #include <vector>
@@ -54,8 +56,28 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
-// act[m, j] = silu(gate[m, j]) * up[m, j] for columns j0 .. j1 - 1; gate_up rows hold I gate then I up values.
-void silu_mul(const float* gate_up, int64_t M, int64_t I, int64_t j0, int64_t j1, float* act) {
+// Both activations are x / (1 + e^-z): silu has z = x, the tanh gelu z = 2 sqrt(2 / pi) (x + 0.044715 x^3),
+// in torch's order of operations.
+constexpr float kGeluBeta = 0.7978845608028654f;  // sqrt(2 / pi)
+constexpr float kGeluKappa = 0.044715f;
+
+template <Activation A>
+inline __m256 minus_z8(__m256 x) {
+  if constexpr (A == Activation::kSilu) return _mm256_sub_ps(_mm256_setzero_ps(), x);
+  const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+  const __m256 inner = _mm256_fmadd_ps(_mm256_set1_ps(kGeluKappa), cube, x);
+  return _mm256_mul_ps(inner, _mm256_set1_ps(-2.0f * kGeluBeta));
+}
+
+template <Activation A>
+inline float minus_z(float x) {
+  if constexpr (A == Activation::kSilu) return -x;
+  return -2.0f * kGeluBeta * (x + kGeluKappa * (x * x * x));
+}
+
+// act[m, j] = act(gate[m, j]) * up[m, j] for columns j0 .. j1 - 1; gate_up rows hold I gate then I up values.
+template <Activation A>
+void act_mul(const float* gate_up, int64_t M, int64_t I, int64_t j0, int64_t j1, float* act) {
   const __m256 one = _mm256_set1_ps(1.0f);
   for (int64_t m = 0; m < M; ++m) {
     const float* g = gate_up + m * 2 * I;
@@ -64,25 +86,41 @@ void silu_mul(const float* gate_up, int64_t M, int64_t I, int64_t j0, int64_t j1
     int64_t j = j0;
     for (; j + 8 <= j1; j += 8) {
       const __m256 x = _mm256_loadu_ps(g + j);
-      const __m256 s = _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+      const __m256 s = _mm256_div_ps(x, _mm256_add_ps(one, exp8(minus_z8<A>(x))));
       _mm256_storeu_ps(a + j, _mm256_mul_ps(s, _mm256_loadu_ps(u + j)));
     }
-    for (; j < j1; ++j) a[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+    for (; j < j1; ++j) a[j] = g[j] / (1.0f + expf(minus_z<A>(g[j]))) * u[j];
   }
 }
 
-// out[m] = hidden[m] * (1 / sqrt(mean(hidden[m]^2) + eps)) * weight, like HF's LlamaRMSNorm in fp32.
+// 1 / sqrt(mean(h^2) + eps) of one row, like HF's RMSNorms in fp32.
+inline float inv_rms(const float* h, int64_t H, float eps) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= H; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(h + i), _mm256_loadu_ps(h + i), acc);
+  float sum = hsum(acc);
+  for (; i < H; ++i) sum += h[i] * h[i];
+  return 1.0f / sqrtf(sum / static_cast<float>(H) + eps);
+}
+
+// out[m] = hidden[m] * inv_rms(hidden[m]) * weight.
 void rms_norm_rows(const float* hidden, int64_t M, int64_t H, const float* weight, float eps, float* out) {
   for (int64_t m = 0; m < M; ++m) {
     const float* h = hidden + m * H;
-    __m256 acc = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= H; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(h + i), _mm256_loadu_ps(h + i), acc);
-    float sum = hsum(acc);
-    for (; i < H; ++i) sum += h[i] * h[i];
-    const float inv = 1.0f / sqrtf(sum / static_cast<float>(H) + eps);
+    const float inv = inv_rms(h, H, eps);
     float* o = out + m * H;
-    for (i = 0; i < H; ++i) o[i] = weight[i] * (h[i] * inv);
+    for (int64_t i = 0; i < H; ++i) o[i] = weight[i] * (h[i] * inv);
+  }
+}
+
+// hidden[m] += delta[m] * inv_rms(delta[m]) * weight, rows shared out across the team (hidden is shared).
+void team_add_rms_norm(const float* delta, int64_t M, int64_t H, const float* weight, float eps, float* hidden) {
+#pragma omp for schedule(static)
+  for (int64_t m = 0; m < M; ++m) {
+    const float* d = delta + m * H;
+    const float inv = inv_rms(d, H, eps);
+    float* h = hidden + m * H;
+    for (int64_t i = 0; i < H; ++i) h[i] += weight[i] * (d[i] * inv);
   }
 }
 
@@ -95,9 +133,9 @@ void team_rows(const Fmt& f, const Problem& p) {
   for (int64_t b = 0; b < num_blocks; ++b) row_block<kRows>(f, p, b);
 }
 
-// gate_up then silu * up, one work unit = kUnit MLP columns (their gate and up rows), so the thread that
+// gate_up then act(gate) * up, one work unit = kUnit MLP columns (their gate and up rows), so the thread that
 // computed a column's gate and up values applies the activation without waiting for the others.
-template <typename Fmt>
+template <Activation A, typename Fmt>
 void team_gate_up(const Fmt& f, const Problem& p, float* act) {
   const int64_t I = p.N / 2, num_units = (I + kUnit - 1) / kUnit;
 #pragma omp for schedule(dynamic, chunk_for(num_units, omp_get_num_threads()))
@@ -112,7 +150,7 @@ void team_gate_up(const Fmt& f, const Problem& p, float* act) {
       rows<1>(f, p, j);
       rows<1>(f, p, I + j);
     }
-    silu_mul(p.y, p.M, I, j0, j1, act);
+    act_mul<A>(p.y, p.M, I, j0, j1, act);
   }
 }
 
@@ -130,13 +168,16 @@ int64_t linear_scratch(const LinearRef& l, int64_t M) {
   }
 }
 
-// y = x @ W.T + bias (or y += ..., `accumulate`) with the team; `pair_act` selects the gate_up form.
+// y = x @ W.T + bias (or y += ..., `accumulate`) with the team; `pair_act` selects the gate_up form with
+// activation `a`.
 void team_linear(const LinearRef& l, const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy,
-                 bool accumulate, float* scratch, float* pair_act) {
+                 bool accumulate, float* scratch, float* pair_act, Activation a = Activation::kSilu) {
   const Problem p{x, M, l.K, ldx, l.N, l.bias, y, ldy, accumulate};
   auto go = [&](const auto& fmt) {
-    if (pair_act != nullptr) {
-      team_gate_up(fmt, p, pair_act);
+    if (pair_act != nullptr && a == Activation::kGeluTanh) {
+      team_gate_up<Activation::kGeluTanh>(fmt, p, pair_act);
+    } else if (pair_act != nullptr) {
+      team_gate_up<Activation::kSilu>(fmt, p, pair_act);
     } else {
       team_rows(fmt, p);
     }
@@ -193,20 +234,34 @@ void decoder_step(const DecoderStep& s, int num_threads) {
   {
     float* x = thread_scratch(scratch_floats);  // this thread's copy of the normed activations [M, H]
     float* lin = x + M * H;
-    if (s.attn != nullptr) {
-      team_linear(s.dense, s.attn, M, s.dense.K, s.hidden, H, true, lin, nullptr);
-      rms_norm_rows(s.hidden, M, H, s.post_norm, s.eps, x);
-      team_linear(s.gate_up, x, M, H, s.gate_up_out, s.gate_up.N, false, lin, s.act);
-      team_linear(s.down, s.act, M, s.down.K, s.hidden, H, true, lin, nullptr);
-    }
-    if (s.next_norm != nullptr) {
-      rms_norm_rows(s.hidden, M, H, s.next_norm, s.eps, x);
-      if (s.next_qkv.kind != WeightKind::kAbsent) {
-        team_linear(s.next_qkv, x, M, H, s.out, s.next_qkv.N, false, lin, nullptr);
+    // hidden += l(in), or its RMSNorm when `norm` is given: that needs the whole output first, so it goes
+    // through s.delta at the cost of a barrier.
+    auto add_sublayer = [&](const LinearRef& l, const float* in, const float* norm) {
+      if (norm == nullptr) {
+        team_linear(l, in, M, l.K, s.hidden, H, true, lin, nullptr);
       } else {
-#pragma omp single
-        for (int64_t i = 0; i < M * H; ++i) s.out[i] = x[i];
+        team_linear(l, in, M, l.K, s.delta, H, false, lin, nullptr);
+        team_add_rms_norm(s.delta, M, H, norm, s.eps, s.hidden);
       }
+    };
+    // Each thread norms its own copy of the rows: cheaper than a barrier.
+    auto normed = [&](const float* norm) -> const float* {
+      if (norm == nullptr) return s.hidden;
+      rms_norm_rows(s.hidden, M, H, norm, s.eps, x);
+      return x;
+    };
+    if (s.attn != nullptr) {
+      add_sublayer(s.dense, s.attn, s.attention_output_norm);
+      team_linear(s.gate_up, normed(s.post_norm), M, H, s.gate_up_out, s.gate_up.N, false, lin, s.act,
+                  s.activation);
+      add_sublayer(s.down, s.act, s.mlp_output_norm);
+    }
+    if (s.next_qkv.kind != WeightKind::kAbsent) {
+      team_linear(s.next_qkv, normed(s.next_norm), M, H, s.out, s.next_qkv.N, false, lin, nullptr);
+    } else if (s.next_norm != nullptr) {
+      const float* y = normed(s.next_norm);
+#pragma omp single
+      for (int64_t i = 0; i < M * H; ++i) s.out[i] = y[i];
     }
   }
 }

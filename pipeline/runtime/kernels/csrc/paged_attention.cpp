@@ -15,7 +15,8 @@
 //   block_tables [num_seqs, bt_stride] int32, token_seq [T] int32 (which block table a token uses).
 //   out       [T, H * D].
 // Token t attends to positions max(0, pos - window + 1) .. pos of its sequence (window 0 = no window);
-// query head h reads key/value head h / (H / KV), as in HF's repeat_kv.
+// query head h reads key/value head h / (H / KV), as in HF's repeat_kv. With softcap > 0 each score s becomes
+// softcap * tanh(s / softcap) before the softmax, as in HF's Gemma 2 eager attention.
 //
 // NOTE: written with GCC vector extensions (8 floats), AVX2 intrinsics only where GCC's vectors fall short
 // (see widen8); D must be a multiple of 8 (the Python side checks and otherwise uses the torch path). Block
@@ -29,6 +30,7 @@
 
 #include <float.h>
 #include <immintrin.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -88,6 +90,43 @@ inline v8f exp8_nonpositive(v8f x) {
   return (v8f)((v8i)(y * (v8f)scale) & keep);
 }
 
+// tanh(x) to ~2 ulp (Cephes tanhf): an odd polynomial below |x| = 0.625, else (1 - e) / (1 + e) with
+// e = e^(-2 |x|) <= 0.29, which has no cancellation; the sign is put back last.
+inline v8f tanh8(v8f x) {
+  const v8i sign = (v8i)x & splat8i(INT32_MIN);
+  const v8f a = (v8f)((v8i)x ^ sign);
+  const v8f z = a * a;
+  v8f p = splat8(-5.70498872745e-3f);
+  p = p * z + splat8(2.06390887954e-2f);
+  p = p * z + splat8(-5.37397155531e-2f);
+  p = p * z + splat8(1.33314422036e-1f);
+  p = p * z + splat8(-3.33332819422e-1f);
+  const v8f small = p * z * a + a;
+  const v8f e = exp8_nonpositive(splat8(-2.0f) * a);
+  const v8f large = (splat8(1.0f) - e) / (splat8(1.0f) + e);
+  const v8i use_small = a < splat8(0.625f);
+  return (v8f)(((v8i)small & use_small) | ((v8i)large & ~use_small) | sign);
+}
+
+// scores[0 .. n - 1] = softcap * tanh(scores / softcap), in HF's order; returns their maximum.
+float softcap_scores(float* scores, int64_t n, float softcap) {
+  const v8f cap = splat8(softcap);
+  v8f vmax = splat8(kNegBig);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const v8f s = tanh8(load8(scores + j) / cap) * cap;
+    store8(scores + j, s);
+    vmax = vmax > s ? vmax : s;
+  }
+  float row_max = kNegBig;
+  for (int64_t i = 0; i < 8; ++i) row_max = vmax[i] > row_max ? vmax[i] : row_max;
+  for (; j < n; ++j) {
+    scores[j] = tanhf(scores[j] / softcap) * softcap;
+    row_max = scores[j] > row_max ? scores[j] : row_max;
+  }
+  return row_max;
+}
+
 // One head's D values into int8 q and its scale (the format described at the top).
 void quantize_head(const float* x, int64_t D, int8_t* q, float* scale) {
   float amax = 0.0f;
@@ -122,7 +161,7 @@ void rope_row(float* x, const float* cos_sin, int64_t half) {
 inline __attribute__((always_inline)) void attend_head(
     const float* q, const int64_t D, const void* k_cache, const void* v_cache, const float* k_scales,
     const float* v_scales, const CacheKind kind, int64_t KV, int64_t g, const int32_t* table, int64_t block_size,
-    int64_t lo, int64_t n, float scale, float* scores, float* out) {
+    int64_t lo, int64_t n, float scale, float softcap, float* scores, float* out) {
   const int64_t row_stride = KV * D;
   const bool quant = kind == kCacheInt8;
   v8f qv[D / 8];
@@ -159,6 +198,7 @@ inline __attribute__((always_inline)) void attend_head(
     }
     j += run;
   }
+  if (softcap > 0) row_max = softcap_scores(scores, n, softcap);
   const int64_t n_pad = (n + 7) & ~(int64_t)7;
   for (int64_t j = n; j < n_pad; ++j) scores[j] = kNegBig;
   v8f sum = splat8(0.0f);
@@ -188,10 +228,11 @@ inline __attribute__((always_inline)) void attend_head(
 
 void attend_head_any(const float* q, int64_t D, const void* k_cache, const void* v_cache, const float* k_scales,
                      const float* v_scales, CacheKind kind, int64_t KV, int64_t g,
-                            const int32_t* table, int64_t block_size, int64_t lo, int64_t n, float scale,
-                            float* scores, float* out) {
-#define ATTEND(DIM, KIND) \
-  attend_head(q, DIM, k_cache, v_cache, k_scales, v_scales, KIND, KV, g, table, block_size, lo, n, scale, scores, out)
+                     const int32_t* table, int64_t block_size, int64_t lo, int64_t n, float scale, float softcap,
+                     float* scores, float* out) {
+#define ATTEND(DIM, KIND)                                                                                   \
+  attend_head(q, DIM, k_cache, v_cache, k_scales, v_scales, KIND, KV, g, table, block_size, lo, n, scale, softcap, \
+              scores, out)
 #define ATTEND_KINDS(DIM)                          \
   switch (kind) {                                  \
     case kCacheInt8: ATTEND(DIM, kCacheInt8); break; \
@@ -217,7 +258,8 @@ void attend_head_any(const float* q, int64_t D, const void* k_cache, const void*
 int paged_attention(float* qkv, int64_t qkv_stride, void* k_cache, void* v_cache, float* k_scales, float* v_scales,
                     CacheKind kind, float* out, const float* cos_sin, const int64_t* positions, const int64_t* slots,
                     const int32_t* block_tables, int64_t bt_stride, const int32_t* token_seq, int64_t T, int64_t H,
-                    int64_t KV, int64_t D, int64_t block_size, int64_t window, int64_t max_context, float scale) {
+                    int64_t KV, int64_t D, int64_t block_size, int64_t window, int64_t max_context, float scale,
+                    float softcap) {
   const int64_t G = H / KV;
   // RoPE on query and key heads, then the new keys and values into their cache rows.
 #pragma omp parallel for if (T >= 32)
@@ -261,7 +303,7 @@ int paged_attention(float* qkv, int64_t qkv_stride, void* k_cache, void* v_cache
       const int32_t* table = block_tables + (int64_t)token_seq[t] * bt_stride;
       for (int64_t h = g * G; h < (g + 1) * G; ++h)
         attend_head_any(qkv + t * qkv_stride + h * D, D, k_cache, v_cache, k_scales, v_scales, kind, KV, g, table,
-                        block_size, lo, pos + 1 - lo, scale, scores, out + t * H * D + h * D);
+                        block_size, lo, pos + 1 - lo, scale, softcap, scores, out + t * H * D + h * D);
     }
     free(scores);
   }

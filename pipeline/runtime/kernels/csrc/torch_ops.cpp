@@ -11,6 +11,7 @@
 #include <torch/library.h>
 
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "decoder.h"
@@ -193,18 +194,22 @@ const float* vector_ptr(const std::optional<at::Tensor>& t, int64_t H, const cha
 // Validated per-layer templates of llmp::DecoderStep, built once per model: each decode step then passes only
 // the residual stream and the attention output (a call with lists of ~20 tensors costs ~10 us more).
 // Entry i is built from linears[16 i .. 16 i + 15] = 4 x [weight, scales, zeros, bias] for dense, gate_up,
-// down and next_qkv, norms[2 i], norms[2 i + 1] = post_norm, next_norm, group_sizes[4 i .. 4 i + 3].
+// down and next_qkv, norms[4 i .. 4 i + 3] = attention_output_norm, post_norm, mlp_output_norm, next_norm and
+// group_sizes[4 i .. 4 i + 3]; `activation` is the MLP's, "silu" or "gelu_pytorch_tanh".
 struct DecoderPlan : torch::CustomClassHolder {
   DecoderPlan(const c10::List<std::optional<at::Tensor>>& linears, const c10::List<std::optional<at::Tensor>>& norms,
-              const std::vector<int64_t>& group_sizes, double eps) {
-    const size_t count = norms.size() / 2;
-    TORCH_CHECK(count > 0 && norms.size() == 2 * count && linears.size() == 16 * count &&
+              const std::vector<int64_t>& group_sizes, double eps, const std::string& activation) {
+    const size_t count = norms.size() / 4;
+    TORCH_CHECK(count > 0 && norms.size() == 4 * count && linears.size() == 16 * count &&
                     group_sizes.size() == 4 * count,
-                "DecoderPlan: expected 16 linear tensors, 2 norms and 4 group sizes per entry");
+                "DecoderPlan: expected 16 linear tensors, 4 norms and 4 group sizes per entry");
+    TORCH_CHECK(activation == "silu" || activation == "gelu_pytorch_tanh", "DecoderPlan: activation must be silu or ",
+                "gelu_pytorch_tanh, got ", activation);
+    const auto act = activation == "silu" ? llmp::Activation::kSilu : llmp::Activation::kGeluTanh;
     for (const auto& list : {linears, norms})
       for (size_t i = 0; i < list.size(); ++i)
         if (const std::optional<at::Tensor> t = list.get(i)) keep_.push_back(*t);
-    for (size_t i = 0; i < count; ++i) steps_.push_back(make_step(linears, norms, group_sizes, i, eps));
+    for (size_t i = 0; i < count; ++i) steps_.push_back(make_step(linears, norms, group_sizes, i, eps, act));
   }
 
   at::Tensor run(int64_t index, const at::Tensor& hidden, const std::optional<at::Tensor>& attn) const {
@@ -221,10 +226,12 @@ struct DecoderPlan : torch::CustomClassHolder {
       attn_rows = attn->contiguous();
       expect(attn_rows, at::kFloat, {M, s.dense.K}, "attn");
       s.attn = attn_rows.const_data_ptr<float>();
-      // gate_up_out [M, 2 I] then act [M, I], carved from one allocation.
-      mlp_scratch = at::empty({M * (s.gate_up.N + s.gate_up.N / 2)}, hidden.options());
+      // gate_up_out [M, 2 I], act [M, I] and delta [M, H] when an output is normed, carved from one allocation.
+      const bool normed_output = s.attention_output_norm != nullptr || s.mlp_output_norm != nullptr;
+      mlp_scratch = at::empty({M * (s.gate_up.N + s.gate_up.N / 2 + (normed_output ? s.H : 0))}, hidden.options());
       s.gate_up_out = mlp_scratch.mutable_data_ptr<float>();
       s.act = s.gate_up_out + M * s.gate_up.N;
+      s.delta = normed_output ? s.act + M * (s.gate_up.N / 2) : nullptr;
     }
     if (s.next_qkv.kind != llmp::WeightKind::kAbsent) {
       out = at::empty({M, s.next_qkv.N}, hidden.options());
@@ -239,30 +246,36 @@ struct DecoderPlan : torch::CustomClassHolder {
  private:
   static llmp::DecoderStep make_step(const c10::List<std::optional<at::Tensor>>& linears,
                                      const c10::List<std::optional<at::Tensor>>& norms,
-                                     const std::vector<int64_t>& group_sizes, size_t i, double eps) {
+                                     const std::vector<int64_t>& group_sizes, size_t i, double eps,
+                                     llmp::Activation act) {
     llmp::DecoderStep s{};
     s.eps = static_cast<float>(eps);
+    s.activation = act;
     s.dense = linear_ref(linears, 16 * i, group_sizes[4 * i], "dense");
     s.gate_up = linear_ref(linears, 16 * i + 4, group_sizes[4 * i + 1], "gate_up");
     s.down = linear_ref(linears, 16 * i + 8, group_sizes[4 * i + 2], "down");
     s.next_qkv = linear_ref(linears, 16 * i + 12, group_sizes[4 * i + 3], "next_qkv");
-    const std::optional<at::Tensor> post_norm = norms.get(2 * i), next_norm = norms.get(2 * i + 1);
-    const std::optional<at::Tensor>& any_norm = post_norm ? post_norm : next_norm;
-    TORCH_CHECK(any_norm && any_norm->dim() == 1, "DecoderPlan: entry ", i, " has no norm weight");
-    s.H = any_norm->size(0);
-    s.post_norm = vector_ptr(post_norm, s.H, "post_norm");
-    s.next_norm = vector_ptr(next_norm, s.H, "next_norm");
     using K = llmp::WeightKind;
+    // The hidden size: any norm's, else the output projection's outputs or the next q/k/v's inputs.
+    s.H = s.dense.kind != K::kAbsent ? s.dense.N : s.next_qkv.K;
+    for (size_t j = 0; j < 4; ++j)
+      if (const std::optional<at::Tensor> norm = norms.get(4 * i + j); norm && norm->dim() == 1) s.H = norm->size(0);
+    TORCH_CHECK(s.H > 0, "DecoderPlan: entry ", i, " has neither a norm nor a linear layer");
+    s.attention_output_norm = vector_ptr(norms.get(4 * i), s.H, "attention_output_norm");
+    s.post_norm = vector_ptr(norms.get(4 * i + 1), s.H, "post_norm");
+    s.mlp_output_norm = vector_ptr(norms.get(4 * i + 2), s.H, "mlp_output_norm");
+    s.next_norm = vector_ptr(norms.get(4 * i + 3), s.H, "next_norm");
     const bool mlp = s.dense.kind != K::kAbsent;
-    TORCH_CHECK(!mlp || (s.gate_up.kind != K::kAbsent && s.down.kind != K::kAbsent && s.post_norm != nullptr),
-                "DecoderPlan: dense needs gate_up, down and post_norm");
+    TORCH_CHECK(!mlp || (s.gate_up.kind != K::kAbsent && s.down.kind != K::kAbsent),
+                "DecoderPlan: dense needs gate_up and down");
+    TORCH_CHECK(mlp || (s.attention_output_norm == nullptr && s.post_norm == nullptr && s.mlp_output_norm == nullptr),
+                "DecoderPlan: entry ", i, " has layer norms but no dense");
     const int64_t H = s.H, I = s.gate_up.N / 2;
     TORCH_CHECK(!mlp || (s.dense.N == H && s.gate_up.K == H && s.gate_up.N == 2 * I && s.down.K == I &&
                          s.down.N == H),
                 "DecoderPlan: linear shapes do not chain: dense ", s.dense.N, "x", s.dense.K, ", gate_up ",
                 s.gate_up.N, "x", s.gate_up.K, ", down ", s.down.N, "x", s.down.K, ", hidden ", H);
-    TORCH_CHECK(s.next_qkv.kind == K::kAbsent || (s.next_norm != nullptr && s.next_qkv.K == H),
-                "DecoderPlan: next_qkv needs next_norm and ", H, " inputs");
+    TORCH_CHECK(s.next_qkv.kind == K::kAbsent || s.next_qkv.K == H, "DecoderPlan: next_qkv needs ", H, " inputs");
     for (const llmp::LinearRef* l : {&s.dense, &s.gate_up, &s.down, &s.next_qkv})
       TORCH_CHECK(llmp::walkable(*l), "DecoderPlan: an int4 layer has group size ", l->group_size,
                   " (the kernels need 32 or a multiple of 64) or odd in_features ", l->K);
@@ -298,7 +311,7 @@ at::Tensor paged_attention(const at::Tensor& qkv, const at::Tensor& k_cache, con
                            const std::optional<at::Tensor>& k_scales, const std::optional<at::Tensor>& v_scales,
                            const at::Tensor& cos_sin, const at::Tensor& positions, const at::Tensor& slots,
                            const at::Tensor& block_tables, const at::Tensor& token_seq, int64_t H,
-                           int64_t block_size, int64_t window, int64_t max_context, double scale) {
+                           int64_t block_size, int64_t window, int64_t max_context, double scale, double softcap) {
   TORCH_CHECK(k_cache.dim() == 3, "k_cache: expected [slots, KV, D], got ", k_cache.sizes());
   const int64_t rows = k_cache.size(0), KV = k_cache.size(1), D = k_cache.size(2);
   const at::ScalarType cache_dtype = k_cache.scalar_type();
@@ -317,6 +330,7 @@ at::Tensor paged_attention(const at::Tensor& qkv, const at::Tensor& k_cache, con
               " kv heads evenly");
   TORCH_CHECK(block_size > 0 && rows % block_size == 0, "paged_attention: ", rows,
               " cache rows are not whole blocks of ", block_size);
+  TORCH_CHECK(softcap >= 0, "paged_attention: softcap must be >= 0 (0 = none), got ", softcap);
   float* scale_ptrs[2] = {nullptr, nullptr};
   if (kind == llmp::kCacheInt8) {
     TORCH_CHECK(k_scales && v_scales, "paged_attention: an int8 cache needs k_scales and v_scales");
@@ -349,7 +363,8 @@ at::Tensor paged_attention(const at::Tensor& qkv, const at::Tensor& k_cache, con
       qkv.data_ptr<float>(), qkv.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), scale_ptrs[0], scale_ptrs[1], kind,
       out.mutable_data_ptr<float>(), cos_sin.const_data_ptr<float>(), positions.const_data_ptr<int64_t>(),
       slots.const_data_ptr<int64_t>(), block_tables.const_data_ptr<int32_t>(), block_tables.size(1),
-      token_seq.const_data_ptr<int32_t>(), T, H, KV, D, block_size, window, max_context, static_cast<float>(scale));
+      token_seq.const_data_ptr<int32_t>(), T, H, KV, D, block_size, window, max_context, static_cast<float>(scale),
+      static_cast<float>(softcap));
   TORCH_CHECK(rc == 0, "paged_attention: out of memory for its score scratch");
   return out;
 }
@@ -378,13 +393,13 @@ TORCH_LIBRARY(llmpipe_quant, m) {
   m.def("dequant_int4(Tensor packed, Tensor scales, Tensor zeros, int group_size) -> Tensor");
   m.class_<DecoderPlan>("DecoderPlan")
       .def(torch::init<c10::List<std::optional<at::Tensor>>, c10::List<std::optional<at::Tensor>>,
-                       std::vector<int64_t>, double>())
+                       std::vector<int64_t>, double, std::string>())
       .def("run", &DecoderPlan::run);
   m.def("greedy_argmax(Tensor x, Tensor qweight, Tensor scales, Tensor weight, Tensor error_per_l1) -> Tensor");
   m.def(
       "paged_attention(Tensor(a!) qkv, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor(d!)? k_scales, "
       "Tensor(e!)? v_scales, Tensor cos_sin, Tensor positions, Tensor slots, Tensor block_tables, Tensor token_seq, "
-      "int num_heads, int block_size, int window, int max_context, float scale) -> Tensor");
+      "int num_heads, int block_size, int window, int max_context, float scale, float softcap=0.) -> Tensor");
   m.def("add_rms_norm(Tensor(a!) hidden, Tensor? delta, Tensor weight, float eps) -> Tensor");
 }
 
