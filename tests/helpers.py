@@ -40,19 +40,26 @@ def fake_logprob(token_id: int) -> float:
     return -token_id / 100.0
 
 
-def reference_output(prompt: list[int], params: SamplingParams, max_seq_len: int = 10**9) -> list[int]:
-    """What a correct engine returns for `prompt` with FakeRunner."""
+def reference_output(
+    prompt: list[int], params: SamplingParams, max_seq_len: int = 10**9, window: int | None = None
+) -> list[int]:
+    """What a correct engine returns for `prompt` with FakeRunner (attending to the last `window` tokens)."""
     token_ids = list(prompt)
     while True:
-        token_ids.append(fake_next_token(token_ids))
+        token_ids.append(fake_next_token(token_ids[-window:] if window else token_ids))
         if check_stop(token_ids, len(prompt), params, max_seq_len) is not None:
             return token_ids[len(prompt) :]
 
 
 class FakeRunner:
     def __init__(
-        self, num_kv_blocks: int, tokens_per_block: int, fail_request_ids: Iterable[str] = ()
+        self,
+        num_kv_blocks: int,
+        tokens_per_block: int,
+        fail_request_ids: Iterable[str] = (),
+        window: int | None = None,
     ) -> None:
+        self.window = window  # like a sliding-window model: each token reads only the last `window` slots
         self.num_kv_blocks = num_kv_blocks
         self.tokens_per_block = tokens_per_block
         self.kv: list[int | None] = [None] * (num_kv_blocks * tokens_per_block)
@@ -99,7 +106,8 @@ class FakeRunner:
         return block_table[block_index] * self.tokens_per_block + offset
 
     def _read(self, block_table: list[int], num_tokens: int) -> list[int]:
-        token_ids = [self.kv[self._slot(block_table, p)] for p in range(num_tokens)]
+        first = max(0, num_tokens - self.window) if self.window else 0
+        token_ids = [self.kv[self._slot(block_table, p)] for p in range(first, num_tokens)]
         assert None not in token_ids, "read a KV slot that was never written"
         return token_ids  # type: ignore[return-value]
 
@@ -155,7 +163,7 @@ def check_blocks(scheduler: Scheduler) -> None:
     bm = scheduler.block_manager
     refs: Counter[int] = Counter()
     for request in scheduler.running:
-        refs.update(request.block_table)
+        refs.update(request.block_table[request.num_released_blocks :])
         assert len(request.block_table) >= bm.num_blocks_for(request.num_computed_tokens)
     for request in scheduler.waiting:
         assert request.block_table == [], f"waiting {request.request_id} holds blocks"

@@ -112,6 +112,12 @@ class ModelConfig:
         return self.num_experts > 0 and layer not in (self.dense_layers or [])
 
     @property
+    def uniform_window(self) -> int | None:
+        """The window when every layer slides with the same one (Mistral, Phi-3); None otherwise."""
+        windows = self.windows
+        return windows[0] if len(windows) == 1 else None
+
+    @property
     def windows(self) -> list[int | None]:
         """The distinct attention windows over the layers."""
         return sorted({self.layer_window(i) for i in range(self.num_hidden_layers)}, key=lambda w: w or 0)

@@ -273,6 +273,20 @@ def test_mistral_sliding_window(tmp_path_factory: pytest.TempPathFactory) -> Non
     prompts = [[rng.randrange(10, config["vocab_size"]) for _ in range(n)] for n in (3, 40, 90, 200)]
     case = Case(prompts, [30] * 4, *hf_greedy(hf_dir, prompts, [30] * 4))
     assert_matches(run_engine(runner, case, config["eos_token_id"]), case)
+    # Blocks behind the window released as sequences grow, and handed to others: 48 blocks of 8 tokens
+    # are fewer than the four sequences' 53 without the window.
+    small = ModelRunner.from_engine_dir(engine_dir, RunnerArgs(device="cpu", kv_max_tokens=384))
+    requests = run_engine(
+        small,
+        case,
+        config["eos_token_id"],
+        attention_window=24,
+        policy="max_utilization",
+        enable_chunked_context=True,
+    )
+    assert sum(r.stats.num_blocks_released for r in requests) > 0
+    assert_matches(requests, case)
+    assert LLMEngine.from_engine_dir(engine_dir).scheduler.config.attention_window == 24  # served engines too
 
 
 def test_runner_verifies_draft_tokens(model: tuple[Path, Path, int, int], runner: ModelRunner) -> None:

@@ -191,3 +191,33 @@ def test_reuse_disabled_never_shares() -> None:
     assert bm.allocate(b) == 0
     assert not set(a.block_table) & set(b.block_table)
     assert bm.num_reuse_hits == 0
+
+
+def test_blocks_outside_the_window_are_released_once_and_the_table_keeps_its_length() -> None:
+    bm = BlockManager(num_blocks=8, tokens_per_block=4)
+    request = _request("a", list(range(1, 15)))  # 14 tokens: 4 blocks
+    bm.allocate(request)
+    table = list(request.block_table)
+    request.num_computed_tokens = 14
+    bm.release_out_of_window(request, window=6)  # the next token (position 14) reads 9..14: blocks 0, 1 dead
+    assert request.num_released_blocks == 2 and request.block_table == table
+    assert bm.num_free_blocks == 6 and request.stats.num_blocks_released == 2
+    bm.release_out_of_window(request, window=6)  # nothing new
+    assert bm.num_free_blocks == 6
+    bm.free(request)  # releases only the live blocks: no double free
+    assert bm.num_free_blocks == 8 and request.num_released_blocks == 0
+
+
+def test_with_reuse_only_published_blocks_leave_the_window_and_stay_findable() -> None:
+    bm = BlockManager(num_blocks=8, tokens_per_block=4, enable_block_reuse=True)
+    a = _request("a", list(range(1, 15)))
+    bm.allocate(a)
+    a.num_computed_tokens = 14
+    bm.release_out_of_window(a, window=2)  # nothing published yet: nothing released
+    assert a.num_released_blocks == 0
+    bm.publish_computed_blocks(a)
+    bm.release_out_of_window(a, window=2)
+    assert a.num_released_blocks == 3 and bm.num_cached_free_blocks == 3
+    b = _request("b", list(range(1, 15)))
+    assert bm.allocate(b) == 12  # a's released blocks still serve the same prefix
+    assert b.block_table[:3] == a.block_table[:3]

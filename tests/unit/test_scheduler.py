@@ -392,3 +392,29 @@ def test_a_malformed_runner_output_fails_only_its_request() -> None:
     assert outputs[0].finish_reason == "error" and "runner returned 2 tokens" in str(outputs[0].error)
     assert not outputs[1].finished
     check_blocks(scheduler)
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_a_sliding_window_model_releases_blocks_behind_the_window_and_keeps_its_tokens(reuse: bool) -> None:
+    """Released blocks go to other requests while their first owner keeps generating: every token still
+    reads only its window, through the block table, so a block released too early changes the output."""
+    window = 6
+    scheduler = make_scheduler(
+        num_blocks=16,
+        block_size=4,
+        attention_window=window,
+        policy="max_utilization",
+        enable_block_reuse=reuse,
+    )
+    runner = FakeRunner(16, 4, window=window)
+    requests = make_requests(4, 10, max_tokens=24, prefix=make_prompt(900, 8) if reuse else None)
+    for request in requests:
+        scheduler.add_request(request)
+    run_scheduler(scheduler, runner)
+    for request in requests:
+        assert request.output_token_ids == reference_output(
+            request.prompt_token_ids, request.sampling_params, window=window
+        )
+    assert sum(r.stats.num_blocks_released for r in requests) > 0
+    # 4 sequences of 34 tokens need 36 blocks without the window; 16 suffice without preempting all the time
+    assert scheduler.block_manager.num_free_blocks == 16

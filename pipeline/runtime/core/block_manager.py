@@ -135,10 +135,27 @@ class BlockManager:
     def free(self, request: Request) -> None:
         """Release all of a request's blocks (finish, abort or preemption)."""
         # Tail first, so that the LRU pool evicts a sequence's last blocks before its shared prefix.
-        for block_id in reversed(request.block_table):
+        for block_id in reversed(request.block_table[request.num_released_blocks :]):
             self._release(block_id)
         request.block_table = []
+        request.num_released_blocks = 0
         self._prefix.pop(request.request_id, None)
+
+    def release_out_of_window(self, request: Request, window: int) -> None:
+        """Release the leading blocks no query of the request reads again when every layer attends to the
+        last `window` positions only: the next token (position num_computed_tokens) reads back to
+        num_computed_tokens - window + 1. With reuse on, only published blocks go (they stay findable in
+        the cached pool); the table keeps its length, so positions still map to entries."""
+        first_read = request.num_computed_tokens - window + 1
+        num_dead = min(max(first_read, 0) // self.tokens_per_block, len(request.block_table))
+        if self.enable_block_reuse:
+            state = self._prefix.get(request.request_id)
+            num_dead = min(num_dead, state.num_published_blocks if state else 0)
+        for i in range(request.num_released_blocks, num_dead):
+            self._release(request.block_table[i])
+        if num_dead > request.num_released_blocks:
+            request.stats.num_blocks_released += num_dead - request.num_released_blocks
+            request.num_released_blocks = num_dead
 
     # --- prefix reuse ---
 

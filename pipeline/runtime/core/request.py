@@ -39,6 +39,7 @@ class RequestStats:
     num_preemptions: int = 0
     num_blocks_allocated: int = 0  # fresh blocks taken from the free list over the request's life
     num_blocks_reused: int = 0  # blocks shared through prefix reuse
+    num_blocks_released: int = 0  # blocks given back early, once outside the attention window
     num_cached_tokens: int = 0  # prompt tokens served from reused blocks at first admission
     num_draft_tokens: int = 0  # speculative tokens proposed
     num_accepted_draft_tokens: int = 0  # of those, accepted by the target
@@ -65,6 +66,9 @@ class Request:
     num_computed_tokens: int = 0
     # physical KV block ids, in order; written only by BlockManager
     block_table: list[int] = field(default_factory=list)
+    # leading block_table entries released because every layer's attention window has moved past them
+    # (their ids are stale: no attention reads positions there again)
+    num_released_blocks: int = 0
     # speculative draft for the next step; written by the proposer, cleared by the engine
     draft_token_ids: list[int] = field(default_factory=list)
     error: str | None = None

@@ -31,8 +31,13 @@ class SchedulerConfig:
     policy: SchedulerPolicy = "guaranteed_no_evict"  # see config.vocab
     enable_chunked_context: bool = False  # split prompts longer than the step's remaining token budget
     enable_block_reuse: bool = False  # share full KV blocks between requests with a common prefix
+    # Every layer attends to this many positions at most (a model whose layers all slide): blocks that fall
+    # out of the window are released as a sequence grows. None = keep every block.
+    attention_window: int | None = None
 
     def __post_init__(self) -> None:
+        if self.attention_window is not None and self.attention_window < 1:
+            raise ValueError(f"attention_window={self.attention_window} is invalid: must be >= 1 or None")
         for name in ("max_batch_size", "max_num_tokens", "max_input_len", "max_seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} is invalid: must be >= 1")
@@ -317,6 +322,8 @@ class Scheduler:
         self.block_manager.publish_computed_blocks(request)
         if sched.num_draft_tokens:
             self.block_manager.trim(request, request.num_tokens)
+        if self.config.attention_window is not None:
+            self.block_manager.release_out_of_window(request, self.config.attention_window)
         if not new_token_ids:
             return None
         return self._output(request, new_token_ids, new_logprobs)

@@ -160,6 +160,7 @@ class LLMEngine:
                 policy=_either(args.policy, runtime.scheduler_policy),
                 enable_chunked_context=_either(args.enable_chunked_context, runtime.enable_chunked_context),
                 enable_block_reuse=_either(args.enable_block_reuse, runtime.enable_block_reuse),
+                attention_window=engine_config.model.uniform_window,
             )
         except ValueError as err:
             raise ConfigError(f"{engine_dir}: {err}") from None

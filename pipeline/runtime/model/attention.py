@@ -44,9 +44,10 @@ class Attention(Protocol):
 
 class _QKNorm:
     """RMSNorm of the query and key heads before RoPE, in place inside qkv: per head (Qwen3, Gemma 3) or over
-    the whole projection (OLMo 2)."""
+    the whole projection (OLMo 2). Per head, the query and key heads are one [T, H + KV, D] view normalized
+    in one call and scaled by the two weights stacked per head: three ops a layer, not ten."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layers: Sequence[LayerAttention]) -> None:
         self.heads, self.kv_heads, self.d = (
             config.num_attention_heads,
             config.num_key_value_heads,
@@ -54,16 +55,30 @@ class _QKNorm:
         )
         self.per_head = config.qk_norm == "per_head"
         self.eps = config.norm_epsilon
-
-    def __call__(self, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor) -> None:
-        tokens, d = qkv.shape[0], self.d
-        q_cols, k_cols = slice(0, self.heads * d), slice(self.heads * d, (self.heads + self.kv_heads) * d)
-        for cols, weight, heads in ((q_cols, q_weight, self.heads), (k_cols, k_weight, self.kv_heads)):
-            part = qkv[:, cols]
+        self.head_weights: list[torch.Tensor] = []  # per layer [H + KV, D], per-head norms only
+        for layer in layers:
+            assert layer.q_norm is not None and layer.k_norm is not None, (
+                "a q/k-norm model needs both weights"
+            )
             if self.per_head:
-                part = part.reshape(tokens, heads, d)
-            shape = (part.shape[-1],)
-            qkv[:, cols] = F.rms_norm(part, shape, weight, self.eps).reshape(tokens, heads * d)
+                self.head_weights.append(
+                    torch.cat((layer.q_norm.expand(self.heads, -1), layer.k_norm.expand(self.kv_heads, -1)))
+                )
+
+    def __call__(self, layer: int, qkv: torch.Tensor, params: LayerAttention) -> None:
+        tokens, q_width = qkv.shape[0], self.heads * self.d
+        if self.per_head:
+            heads = qkv[:, : q_width + self.kv_heads * self.d].view(
+                tokens, self.heads + self.kv_heads, self.d
+            )
+            heads.copy_(F.rms_norm(heads, (self.d,), None, self.eps).mul_(self.head_weights[layer]))
+            return
+        assert params.q_norm is not None and params.k_norm is not None
+        for part, weight in (
+            (qkv[:, :q_width], params.q_norm),
+            (qkv[:, q_width : q_width + self.kv_heads * self.d], params.k_norm),
+        ):
+            part.copy_(F.rms_norm(part, (part.shape[1],), weight, self.eps))
 
 
 class KernelAttention:
@@ -74,7 +89,7 @@ class KernelAttention:
         self.kv_cache = kv_cache
         self.config = config
         self.layers = list(layers)
-        self.qk_norm = _QKNorm(config) if config.qk_norm else None
+        self.qk_norm = _QKNorm(config, self.layers) if config.qk_norm else None
         self._step_args: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int] | None = None
         # Per layer: K, V, K scales, V scales (scales None unless int8), then the RoPE table.
         self._layer_args: list[
@@ -107,8 +122,7 @@ class KernelAttention:
         params, c = self.layers[layer], self.config
         assert self._step_args is not None, "begin_step first"
         if self.qk_norm is not None:
-            assert params.q_norm is not None and params.k_norm is not None
-            self.qk_norm(qkv, params.q_norm, params.k_norm)
+            self.qk_norm(layer, qkv, params)
         k, v, k_scales, v_scales, cos_sin = self._layer_args[layer]
         positions, slots, block_tables, token_seq, num_heads, block_size = self._step_args
         return kernels.paged_attention(
@@ -143,7 +157,7 @@ class TorchAttention:
         self.kv_cache = kv_cache
         self.config = config
         self.layers = list(layers)
-        self.qk_norm = _QKNorm(config) if config.qk_norm else None
+        self.qk_norm = _QKNorm(config, self.layers) if config.qk_norm else None
 
     def begin_step(self, meta: AttentionMetadata) -> None:
         pass
@@ -154,8 +168,7 @@ class TorchAttention:
         assert meta.padded is not None, "TorchAttention needs AttentionMetadata built with padded=True"
         padded = meta.padded
         if self.qk_norm is not None:
-            assert params.q_norm is not None and params.k_norm is not None
-            self.qk_norm(qkv, params.q_norm, params.k_norm)
+            self.qk_norm(layer, qkv, params)
         cos_sin = params.cos_sin[meta.positions].to(qkv.dtype)[:, None, :]  # [T, 1, D]
         cos, sin = cos_sin[..., : d // 2], cos_sin[..., d // 2 :]
         q = apply_rope(qkv[:, : heads * d].view(tokens, heads, d), cos, sin)
