@@ -96,6 +96,9 @@ ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
 }  # fmt: skip
 
 
+TIED = ("qwen2", "gemma2", "gemma3", "smollm3")
+
+
 def corpus_files() -> list[Path]:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     return [stdlib / name for name in CORPUS_MODULES]
@@ -130,7 +133,13 @@ def train_tokenizer(files: Sequence[Path], vocab_size: int = 2000) -> PreTrained
     )
 
 
-def tiny_config(arch: str, tokenizer: PreTrainedTokenizerFast, init_std: float = INIT_STD) -> Any:
+def tiny_config(
+    arch: str,
+    tokenizer: PreTrainedTokenizerFast,
+    init_std: float = INIT_STD,
+    overrides: dict[str, Any] | None = None,
+) -> Any:
+    """The HF config of tiny `arch`: the shared test shape, the family's features, then `overrides`."""
     if arch not in ARCHITECTURES:
         raise ConfigError(f"tiny model arch {arch!r} is not one of {', '.join(ARCHITECTURES)}")
     config_class, _, features = ARCHITECTURES[arch]
@@ -142,14 +151,15 @@ def tiny_config(arch: str, tokenizer: PreTrainedTokenizerFast, init_std: float =
         "num_key_value_heads": 2,
         "intermediate_size": 128,
         "max_position_embeddings": 1024,
-        # Qwen2 checkpoints tie lm_head to the embeddings; Llama/Mistral ones mostly do not: cover both.
-        "tie_word_embeddings": arch in ("qwen2", "gemma2", "gemma3", "smollm3"),
+        # Qwen2, Gemma and SmolLM3 checkpoints tie lm_head to the embeddings; the others mostly do not.
+        "tie_word_embeddings": arch in TIED,
         "initializer_range": init_std,
         "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
         "dtype": "float32",
         **features,
+        **(overrides or {}),
     }
     return getattr(transformers, config_class)(**values)
 
@@ -179,15 +189,7 @@ def make_tiny_checkpoint(
     started = time.perf_counter()
     tokenizer = train_tokenizer(corpus if corpus is not None else corpus_files(), vocab_size)
     config = tiny_config(arch, tokenizer, init_std)
-    model = getattr(transformers, ARCHITECTURES[arch][1])(config)
-    init_weights(model, seed, init_std)
-
-    out_dir = Path(out_dir)
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    GenerationConfig(
-        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
-    ).save_pretrained(out_dir)
+    model = save_random_checkpoint(out_dir, arch, config, tokenizer, seed, init_std)
     return {
         "architecture": type(model).__name__,
         "num_params": sum(p.numel() for p in model.parameters()),
@@ -197,3 +199,19 @@ def make_tiny_checkpoint(
         "seed": seed,
         "seconds": round(time.perf_counter() - started, 2),
     }
+
+
+def save_random_checkpoint(
+    out_dir: Path, arch: str, config: Any, tokenizer: PreTrainedTokenizerFast, seed: int, init_std: float
+) -> torch.nn.Module:
+    """Tiny `arch`'s model of HF `config` with init_weights(seed, init_std), saved with `tokenizer` and a
+    generation config into `out_dir`; returns the model."""
+    model = getattr(transformers, ARCHITECTURES[arch][1])(config)
+    init_weights(model, seed, init_std)
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
+    ).save_pretrained(out_dir)
+    return model

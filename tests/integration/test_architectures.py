@@ -113,31 +113,36 @@ def test_single_requests_through_the_decode_path(arch: tuple[str, Path, Path], c
 
 
 @pytest.mark.parametrize(
-    ("quantization", "min_top1"),
-    [({"mode": "int8_wo", "kv_cache_dtype": "int8"}, 0.85), ({"mode": "int4_wo", "group_size": 32}, 0.3)],
-    ids=["int8_wo+int8kv", "int4_wo"],
+    ("sections", "min_top1"),
+    [
+        ({"quantization": {"mode": "int8_wo", "kv_cache_dtype": "int8"}}, 0.85),
+        ({"quantization": {"mode": "int4_wo", "group_size": 32}}, 0.3),
+        ({"dtype": "bfloat16"}, 0.9),
+    ],
+    ids=["int8_wo+int8kv", "int4_wo", "bf16"],
 )
-def test_weight_only_quantization(
-    arch: tuple[str, Path, Path], case: Case, quantization: dict[str, object], min_top1: float, tmp_path: Path
+def test_reduced_precision_builds(
+    arch: tuple[str, Path, Path], case: Case, sections: dict[str, object], min_top1: float, tmp_path: Path
 ) -> None:
-    """Round-to-nearest weight-only modes build and run on every dense architecture (MoE models are refused
-    at fetch: their experts stay dense), their teacher-forced predictions close to the dense engine's. The
-    bounds are loose because random 64-wide layers have no structure that survives 4 bits (measured: int8
-    0.92-0.97, int4 0.37-0.64 top-1 agreement); a mis-wired layout agrees on ~1 token in 2,000."""
+    """Round-to-nearest weight-only modes and bf16 storage build through `llmpipe build` and run on every
+    architecture (weight modes on dense ones: MoE experts stay dense, refused at fetch), their
+    teacher-forced predictions close to the fp32 engine's. The bounds are loose because random 64-wide
+    layers have no structure that survives 4 bits (measured: int8 0.92-0.97, int4 0.37-0.64 top-1
+    agreement); a mis-wired layout agrees on ~1 token in 2,000."""
     name, hf_dir, engine_dir = arch
-    if "moe" in name or name == "mixtral":
+    if "quantization" in sections and ("moe" in name or name == "mixtral"):
         pytest.skip("MoE experts are not quantized by the torch backend (refused at fetch)")
-    quantized = _cli_build(hf_dir, tmp_path, quantization)
+    reduced = _cli_build(hf_dir, tmp_path, sections)
     tokens = case.prompts[1] + case.reference[1]
     logits = []
-    for engine in (engine_dir, quantized):
+    for engine in (engine_dir, reduced):
         runner = _runner(engine)
         logits.append(runner.score(tokens, list(range(-(-len(tokens) // runner.tokens_per_block)))))
     agreement = (logits[0].argmax(-1) == logits[1].argmax(-1)).float().mean().item()
-    assert agreement >= min_top1, f"{name}: top-1 agreement with the dense engine {agreement:.3f}"
+    assert agreement >= min_top1, f"{name}: top-1 agreement with the fp32 engine {agreement:.3f}"
 
 
-def _cli_build(hf_dir: Path, tmp_path: Path, quantization: dict[str, object]) -> Path:
+def _cli_build(hf_dir: Path, tmp_path: Path, sections: dict[str, object]) -> Path:
     """`llmpipe build --until engine` (fetch, convert, quantize, engine) -> the engine directory."""
     config = tmp_path / "build.yaml"
     config.write_text(
@@ -146,7 +151,7 @@ def _cli_build(hf_dir: Path, tmp_path: Path, quantization: dict[str, object]) ->
                 "name": "q",
                 "source": {"kind": "local", "path": str(hf_dir)},
                 "workdir": str(tmp_path / "work"),
-                "quantization": quantization,
+                **sections,
                 "engine": {
                     "max_batch_size": 4,
                     "max_input_len": 256,
