@@ -60,6 +60,7 @@ bench-deps: install  ## peer engines for `make bench`: llama-cpp-python (compile
 bench: install  ## engine vs HF generate, then llmpipe vs its peers, against our speed targets -> benchmarks/results/<date>-<machine>*.md (peers: make bench-deps)
 	$(PY) scripts/bench_engine.py --out benchmarks/results $(BENCH_ARGS)
 	$(PY) scripts/bench_peers.py --out benchmarks/results $(BENCH_ARGS)
+	$(PY) scripts/bench_architectures.py --out benchmarks/results
 
 bench-quant: install  ## per quantization mode: engine size, accuracy (validate stage) and decode speed -> benchmarks/results/<date>-<machine>-quant.md
 	$(PY) scripts/quant_table.py --out benchmarks/results
