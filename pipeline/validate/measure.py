@@ -200,15 +200,28 @@ def _teacher_forced(target: TokenTarget, generations: list[_Generation], result:
     result.seconds["teacher_forced"] = time.monotonic() - start
 
 
+def leading_special_ids(tokenizer: Any) -> list[int]:
+    """The special tokens the tokenizer puts before every text (Llama's and Gemma's BOS). Each held-out
+    window starts with them as a prompt would: Gemma scored without its BOS is far off its trained
+    distribution (perplexity in the hundreds on English prose)."""
+    marked = tokenizer("a", verbose=False).input_ids
+    plain = tokenizer("a", add_special_tokens=False, verbose=False).input_ids
+    if not plain or plain[0] not in marked:
+        return []
+    return list(marked[: marked.index(plain[0])])
+
+
 def _heldout(
     evalset: EvalSet, reference: ReferenceModel, target: TokenTarget, num_windows: int, result: Measurement
 ) -> None:
     logger.info("held-out text: up to %d windows of %d tokens on both models", num_windows, HELDOUT_WINDOW)
     start = time.monotonic()
     token_ids = reference.tokenizer(evalset.text, add_special_tokens=False, verbose=False).input_ids
-    window = min(HELDOUT_WINDOW, target.max_input_len)
+    lead = leading_special_ids(reference.tokenizer)
+    window = min(HELDOUT_WINDOW, target.max_input_len) - len(lead)
     stats = M.TokenStats()
-    for ids in text_windows(token_ids, window, num_windows):
+    for chunk in text_windows(token_ids, window, num_windows):
+        ids = [*lead, *chunk]
         ref_logits = reference.score(ids)[:-1]  # [len(ids)-1, vocab]
         eng_logits = target.score(ids)[:-1]
         stats = stats.merge(M.next_token_stats(ref_logits, eng_logits, ids[1:]))

@@ -63,6 +63,13 @@ def hf_greedy(
     hf_dir: Path, prompts: list[list[int]], max_tokens: list[int]
 ) -> tuple[list[list[int]], list[list[float]]]:
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    return model_greedy(model, prompts, max_tokens)
+
+
+def model_greedy(
+    model: Any, prompts: list[list[int]], max_tokens: list[int]
+) -> tuple[list[list[int]], list[list[float]]]:
+    """HF `generate` greedy continuations of `prompts` and their tokens' log-probs, one prompt at a time."""
     tokens, logprobs = [], []
     with torch.inference_mode():
         for prompt, count in zip(prompts, max_tokens, strict=True):

@@ -104,7 +104,11 @@ def test_quantization_the_torch_backend_cannot_apply_is_refused_at_fetch(
 def test_longrope_beyond_its_original_context_is_refused_at_convert(
     tiny_dirs: dict[str, Path], tmp_path: Path
 ) -> None:
-    config = write_config(tmp_path, tiny_dirs["phi3"], engine={"max_seq_len": 2048, "max_input_len": 1024, "max_num_tokens": 1024})
+    config = write_config(
+        tmp_path,
+        tiny_dirs["phi3"],
+        engine={"max_seq_len": 2048, "max_input_len": 1024, "max_num_tokens": 1024},
+    )
     result = CliRunner().invoke(cli, ["build", str(config), "--until", "convert"])
     assert result.exit_code == 1, result.output
     assert "original_max_position_embeddings=1024" in result.output and "max_seq_len <= 1024" in result.output

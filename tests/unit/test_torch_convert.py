@@ -111,7 +111,9 @@ def test_unsupported_architecture_names_the_supported_ones(tiny_llama_dir: Path,
 def test_unsupported_rope_scaling_fails_at_convert(tiny_llama_dir: Path, tmp_path: Path) -> None:
     rope = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}
     bad = edited_copy(tiny_llama_dir, tmp_path / "dynamic", rope_parameters=rope)
-    with pytest.raises(UnsupportedModelError, match="'dynamic'.*supported: default, linear, llama3, yarn, longrope"):
+    with pytest.raises(
+        UnsupportedModelError, match="'dynamic'.*supported: default, linear, llama3, yarn, longrope"
+    ):
         convert(make_cfg(bad), bad, tmp_path / "out")
 
 

@@ -291,3 +291,16 @@ def test_perplexity_gate_is_two_sided() -> None:
         "ppl_delta_pct=-9, |x| > 1 (validation.thresholds.max_ppl_delta_pct, default (int8_wo))"
     ]
     assert _report({"ppl_delta_pct": -0.5})["passed"]
+
+
+def test_held_out_windows_start_with_the_tokens_the_tokenizer_puts_before_a_text() -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    from pipeline.sources.tiny import corpus_files, train_tokenizer
+    from pipeline.validate.measure import leading_special_ids
+
+    with_bos = train_tokenizer(corpus_files()[:2], vocab_size=300)
+    assert leading_special_ids(with_bos) == [with_bos.bos_token_id]
+    plain = PreTrainedTokenizerFast(tokenizer_object=with_bos.backend_tokenizer, bos_token="<s>")
+    plain.backend_tokenizer.post_processor = None
+    assert leading_special_ids(plain) == []
