@@ -17,11 +17,23 @@ from transformers import AutoConfig
 from pipeline.cli.main import cli
 from pipeline.config.build_config import load_build_config
 from pipeline.config.workdir import stage_output_dir
+from pipeline.runtime.core.sampling_params import SamplingParams
+from pipeline.runtime.core.scheduler import SchedulerConfig
 from pipeline.runtime.engine.engine_args import RunnerArgs
+from pipeline.runtime.engine.llm_engine import LLMEngine
 from pipeline.runtime.kernels import ops as kernels
+from pipeline.runtime.spec_decode.draft_model import DraftModelProposer
+from pipeline.runtime.spec_decode.proposer import NgramProposer, Proposer
 from pipeline.runtime.worker.model_runner import ModelRunner
 from pipeline.sources.tiny import ARCHITECTURES, make_tiny_checkpoint
-from tests.integration.test_parity import Case, assert_matches, hf_greedy, make_engine_dir, run_engine
+from tests.integration.test_parity import (
+    TINY_LIMITS,
+    Case,
+    assert_matches,
+    hf_greedy,
+    make_engine_dir,
+    run_engine,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -110,6 +122,28 @@ def test_single_requests_through_the_decode_path(arch: tuple[str, Path, Path], c
     single = Case(case.prompts[:2], case.max_tokens[:2], case.reference[:2], case.reference_logprobs[:2])
     for logprobs in (True, False):
         assert_matches(run_engine(runner, single, _eos(hf_dir), logprobs=logprobs, max_batch_size=1), single)
+
+
+@pytest.mark.parametrize("drafter", ["prompt-lookup", "self-draft"])
+def test_speculative_decoding(arch: tuple[str, Path, Path], case: Case, drafter: str) -> None:
+    """Drafts verified several rows a step (prompt lookup; the model drafting for itself, whose drafts are
+    all accepted): the output stays HF's greedy tokens."""
+    _, hf_dir, engine_dir = arch
+    runner = _runner(engine_dir)
+    proposer: Proposer = (
+        NgramProposer(4)
+        if drafter == "prompt-lookup"
+        else DraftModelProposer(_runner(engine_dir), 4, max_positions=runner.max_positions)
+    )
+    engine = LLMEngine(runner, SchedulerConfig(**{**TINY_LIMITS, "enable_chunked_context": True}), proposer)
+    params = [
+        SamplingParams(max_tokens=n, temperature=0.0, end_id=_eos(hf_dir), logprobs=True)
+        for n in case.max_tokens
+    ]
+    requests = engine.generate(case.prompts, params)
+    assert_matches(requests, case)
+    if drafter == "self-draft":
+        assert sum(r.stats.num_accepted_draft_tokens for r in requests) > 0
 
 
 @pytest.mark.parametrize(
