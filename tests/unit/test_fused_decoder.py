@@ -1,6 +1,6 @@
 """The fused decoder-layer kernel equals the op-by-op torch computation (dequantize + matmul, F.rms_norm,
-F.silu / F.gelu) for every weight format, norm layout, activation, row count and thread count, and a model step
-through it equals the op-by-op path."""
+F.silu / F.gelu, moe_forward) for every weight format, norm layout, activation, row count and thread count, with
+a gated MLP or a sparse MoE block, and a model step through it equals the op-by-op path."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ from pipeline.runtime.kernels import ops as kernels
 from pipeline.runtime.model.attention import LayerAttention, TorchAttention
 from pipeline.runtime.model.decoder import DecoderModel
 from pipeline.runtime.model.fused_decoder import FusedDecoder
-from pipeline.runtime.model.layers import DenseLinear, ResidualRMSNorm
+from pipeline.runtime.model.layers import DenseLinear, Linear, ResidualRMSNorm
+from pipeline.runtime.model.moe import moe_forward
 from pipeline.runtime.model.rope import rotary_cos_sin
 from pipeline.runtime.model.weights import LayerWeights, ModelWeights, MoEWeights
 from pipeline.runtime.quant.linear import QuantLinear
@@ -193,6 +194,126 @@ def test_rejects_layers_that_do_not_chain() -> None:
     assert plan.run(0, torch.randn(2, 64), torch.randn(2, 64)).shape == (0, 64)  # no next layer: no output
 
 
+def make_moe(
+    hidden: int, inter: int, experts: int, top_k: int, normalize: bool, scheme: str | None, seed: int
+) -> tuple[MoEWeights, MoEWeights]:
+    """The block in `scheme` and its fp32 (dequantized) twin."""
+    gen = torch.Generator().manual_seed(seed)
+    router = torch.randn(experts, hidden, generator=gen)
+    gate_up = [make_linear(2 * inter, hidden, scheme, 32, seed + 1 + e) for e in range(experts)]
+    down = [make_linear(hidden, inter, scheme, 32, seed + 101 + e) for e in range(experts)]
+
+    def block(index: int) -> MoEWeights:
+        pick = (lambda p: p[0]) if index == 0 else (lambda p: DenseLinear(p[1]))
+        return MoEWeights(router, [pick(p) for p in gate_up], [pick(p) for p in down], top_k, normalize)
+
+    return block(0), block(1)
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize(("name", "scheme", "group"), FORMATS, ids=[f[0] for f in FORMATS])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize(
+    ("experts", "top_k", "normalize", "layout"),
+    [(4, 2, True, "llama"), (8, 3, False, "llama"), (4, 1, False, "sandwich"), (4, 4, True, "post")],
+    ids=["mixtral", "qwen3-moe", "sandwich-top1", "post-all"],
+)
+def test_moe_layer_matches_moe_forward(
+    threads: int,
+    name: str,
+    scheme: str | None,
+    group: int | None,
+    rows: int,
+    experts: int,
+    top_k: int,
+    normalize: bool,
+    layout: str,
+) -> None:
+    """A sparse entry: output projection, then the MoE block (router softmax, top k, experts ascending) in
+    place of the MLP, then the next norm + q/k/v, against moe_forward and torch on the dequantized weights
+    (bf16: to a few bf16 roundings of the activations); hidden size 256 wakes the second thread."""
+    _, has_norm = LAYOUTS[layout]
+    hidden_size, inter = 256, 96
+    dense, dense_w = make_linear(hidden_size, hidden_size, scheme, group, 0)
+    qkv, qkv_w = make_linear(160, hidden_size, scheme, group, 1, bias=True)
+    moe, moe_fp32 = make_moe(hidden_size, inter, experts, top_k, normalize, scheme, 10)
+    gen = torch.Generator().manual_seed(9)
+    hidden = torch.randn(rows, hidden_size, generator=gen)
+    attn = torch.randn(rows, hidden_size, generator=gen)
+    norms = [torch.rand(hidden_size, generator=gen) + 0.5 if has else None for has in has_norm]
+    attention_output_norm, post_norm, mlp_output_norm, next_norm = norms
+
+    want_hidden = hidden + rms_norm(attn @ dense_w.T, attention_output_norm)
+    moe_out = moe_forward(rms_norm(want_hidden, post_norm), moe_fp32)
+    want_hidden = want_hidden + rms_norm(moe_out, mlp_output_norm)
+    want_qkv = rms_norm(want_hidden, next_norm) @ qkv_w.T + qkv.bias
+
+    plan = FusedDecoder.plan([FusedDecoder.layer_args([dense, None, None, qkv], norms, moe)], EPS)
+    out = plan.run(0, hidden, attn)
+    tolerance = 1e-2 if scheme == "bf16" else 1e-5
+    for got, want in ((hidden, want_hidden), (out, want_qkv)):
+        assert got.shape == want.shape
+        assert (got - want).abs().max() <= tolerance * want.abs().max(), name
+
+
+def test_moe_routing_follows_transformers() -> None:
+    """One-hot routers: each row's experts and weights are known, so the sum shows which experts ran, with
+    which weights, renormalized or not; experts with no rows are skipped."""
+    hidden_size, experts = 8, 4
+    # Expert e's MLP outputs (e + 1) * 2^e in column 0 for input column 0 = 1: silu(g) * u with g = u = 1.
+    gate_up_w = torch.zeros(2, hidden_size)
+    gate_up_w[:, 0] = 1.0
+    gate_up: list[Linear] = [DenseLinear(gate_up_w) for _ in range(experts)]
+    down: list[Linear] = []
+    for e in range(experts):
+        down_w = torch.zeros(hidden_size, 1)
+        down_w[0, 0] = (e + 1) * 2.0**e / F.silu(torch.tensor(1.0)).item()
+        down.append(DenseLinear(down_w))
+    router = torch.zeros(experts, hidden_size)
+    router[:, 1:5] = torch.eye(experts) * 4.0  # row r's logits: 4 on the experts its columns 1..4 pick
+    x_rows = torch.zeros(3, hidden_size)
+    x_rows[:, 0] = 1.0
+    x_rows[0, [1 + 3, 1 + 1]] = torch.tensor([1.0, 0.5])  # experts 3 (logit 4) and 1 (logit 2)
+    x_rows[1, [1 + 0, 1 + 3]] = torch.tensor([1.0, 1.0])  # experts 0 and 3, tied; expert 2 has no row
+    x_rows[2, [1 + 1, 1 + 3]] = torch.tensor([1.0, 0.25])  # experts 1 and 3
+    for normalize in (True, False):
+        moe = MoEWeights(router, gate_up, down, 2, normalize)
+        want = moe_forward(x_rows, moe)
+        dense = DenseLinear(torch.zeros(hidden_size, hidden_size))
+        plan = FusedDecoder.plan([FusedDecoder.layer_args([dense, None, None, None], [None] * 4, moe)], EPS)
+        hidden = x_rows.clone()
+        plan.run(0, hidden, torch.zeros(3, hidden_size))
+        assert torch.allclose(hidden - x_rows, want, rtol=1e-6, atol=1e-6)
+        assert want[:, 0].abs().min() > 0.1  # the experts did run
+
+
+def test_rejects_moe_entries_that_do_not_fit() -> None:
+    dense, _ = make_linear(64, 64, None, None, 0)
+    gate_up, _ = make_linear(2 * 96, 64, None, None, 1)
+    down, _ = make_linear(64, 96, None, None, 2)
+    moe, _ = make_moe(64, 32, 4, 2, True, None, 3)
+
+    def plan(linears, moe_weights, norms=(None,) * 4):
+        return FusedDecoder.plan([FusedDecoder.layer_args(linears, list(norms), moe_weights)], EPS)
+
+    out = plan([dense, None, None, None], moe).run(0, torch.randn(2, 64), torch.randn(2, 64))
+    assert out.shape == (0, 64)
+    with pytest.raises(RuntimeError, match="no gate_up or down"):
+        plan([dense, gate_up, down, None], moe)
+    with pytest.raises(RuntimeError, match="needs dense"):
+        plan([None, None, None, None], moe, (None, None, None, torch.ones(64)))
+    with pytest.raises(RuntimeError, match="or else a MoE block"):
+        plan([dense, None, None, None], None)
+    with pytest.raises(RuntimeError, match="picks 5 of 4"):
+        plan([dense, None, None, None], MoEWeights(moe.router, moe.gate_up, moe.proj, 5, True))
+    with pytest.raises(RuntimeError, match="router"):
+        narrow = moe.router[:, :32].contiguous()
+        plan([dense, None, None, None], MoEWeights(narrow, moe.gate_up, moe.proj, 2, True))
+    with pytest.raises(RuntimeError, match="expert 1"):
+        odd = [moe.gate_up[0], make_linear(2 * 16, 64, None, None, 4)[0], *moe.gate_up[2:]]
+        plan([dense, None, None, None], MoEWeights(moe.router, odd, moe.proj, 2, True))
+
+
 # name: (config.norm_layout, hidden_act); a layer has the norms its layout names (see DecoderModel).
 MODEL_LAYOUTS = {
     "llama": ("pre", "silu"),
@@ -201,20 +322,47 @@ MODEL_LAYOUTS = {
 }
 
 
+def model_steps(config, weights: ModelWeights, fused: bool) -> list[torch.Tensor]:
+    """The hidden states of a prefill and then decode steps of 3 sequences, fused or op by op."""
+    cache = KVCache(config, 16, 4, torch.float32, torch.device("cpu"), zero=True)
+    layer_attention = [LayerAttention(rotary_cos_sin(config, 128), None)] * len(weights.layers)
+    attention = TorchAttention(cache, config, layer_attention)
+    model = DecoderModel(config, weights, attention, ResidualRMSNorm(False, 64, EPS))
+    assert model.fused is not None
+    if not fused:
+        model.fused = None
+    tables = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    steps = []
+    for start, count in ((0, 7), (7, 1), (8, 1), (9, 1)):
+        chunks = [SequenceChunk(start, count, t) for t in tables]
+        meta = build_attention_metadata(chunks, 4, torch.device("cpu"), padded=True)
+        ids = torch.randint(0, 50, (meta.num_tokens,), generator=torch.Generator().manual_seed(start))
+        steps.append(model.forward(ids, meta).clone())
+    return steps
+
+
+def assert_steps_match(fused: list[torch.Tensor], plain: list[torch.Tensor], scheme: str | None) -> None:
+    for fused_step, plain_step in zip(fused, plain, strict=True):
+        if scheme == "bf16":  # a few bf16 roundings (2^-9) per layer, compounded over 3 layers
+            assert (fused_step - plain_step).abs().max() <= 2e-2 * plain_step.abs().max()
+        else:
+            assert torch.allclose(fused_step, plain_step, atol=1e-5, rtol=1e-5)
+
+
+MODEL_CONFIG = {
+    "architecture": "LlamaForCausalLM", "dtype": "float32", "vocab_size": 50, "hidden_size": 64,
+    "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "intermediate_size": 96, "max_position_embeddings": 128, "norm_epsilon": EPS,
+}  # fmt: skip
+
+
 @pytest.mark.parametrize("layout", list(MODEL_LAYOUTS))
 @pytest.mark.parametrize(("scheme", "group"), [(None, None), ("bf16", None), ("int8", None), ("int4", 32)])
 def test_model_step_equals_op_by_op_path(layout: str, scheme: str | None, group: int | None) -> None:
     """A prefill and then decode steps of 3 sequences: fused and op-by-op forwards give the same hidden states
     (bf16: to bf16 rounding, as the op-by-op GEMMs may round their outputs to bf16 too)."""
     norm_layout, act = MODEL_LAYOUTS[layout]
-    config = model_config_from_dict(
-        {
-            "architecture": "LlamaForCausalLM", "dtype": "float32", "vocab_size": 50, "hidden_size": 64,
-            "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-            "intermediate_size": 96, "max_position_embeddings": 128, "norm_epsilon": EPS, "hidden_act": act,
-            "norm_layout": norm_layout,
-        }
-    )  # fmt: skip
+    config = model_config_from_dict({**MODEL_CONFIG, "hidden_act": act, "norm_layout": norm_layout})
     gen = torch.Generator().manual_seed(0)
 
     def norm(present: bool) -> torch.Tensor | None:
@@ -235,48 +383,63 @@ def test_model_step_equals_op_by_op_path(layout: str, scheme: str | None, group:
     ]
     embedding = torch.randn(50, 64, generator=gen)
     weights = ModelWeights(embedding, layers, torch.ones(64), DenseLinear(embedding))
-    results = []
-    for fused in (True, False):
-        cache = KVCache(config, 16, 4, torch.float32, torch.device("cpu"), zero=True)
-        attention = TorchAttention(cache, config, [LayerAttention(rotary_cos_sin(config, 128), None)] * 3)
-        model = DecoderModel(config, weights, attention, ResidualRMSNorm(False, 64, EPS))
-        assert model.fused is not None
-        if not fused:
-            model.fused = None
-        tables = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
-        steps = []
-        for start, count in ((0, 7), (7, 1), (8, 1), (9, 1)):
-            chunks = [SequenceChunk(start, count, t) for t in tables]
-            meta = build_attention_metadata(chunks, 4, torch.device("cpu"), padded=True)
-            ids = torch.randint(0, 50, (meta.num_tokens,), generator=torch.Generator().manual_seed(start))
-            steps.append(model.forward(ids, meta).clone())
-        results.append(steps)
-    for fused_step, plain_step in zip(*results, strict=True):
-        if scheme == "bf16":  # a few bf16 roundings (2^-9) per layer, compounded over 3 layers
-            assert (fused_step - plain_step).abs().max() <= 2e-2 * plain_step.abs().max()
-        else:
-            assert torch.allclose(fused_step, plain_step, atol=1e-5, rtol=1e-5)
+    assert_steps_match(model_steps(config, weights, True), model_steps(config, weights, False), scheme)
 
 
-def test_model_falls_back_for_moe_and_other_activations() -> None:
-    """FusedDecoder.build declines what the kernel does not compute: sparse layers, another activation."""
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("scheme", [None, "bf16"])
+def test_moe_model_step_equals_op_by_op_path(normalize: bool, scheme: str | None) -> None:
+    """Sparse layers 0 and 2 around a dense one (Qwen3-MoE's mlp_only_layers): fused (one call per layer,
+    the MoE block in it) and op-by-op (moe_forward) forwards agree."""
+    config = model_config_from_dict({**MODEL_CONFIG, "hidden_act": "silu"})
+    gen = torch.Generator().manual_seed(0)
+    layers = []
+    for i in range(3):
+        sparse = i != 1
+        layers.append(
+            LayerWeights(
+                input_norm=torch.rand(64, generator=gen) + 0.5,
+                qkv=make_linear(128, 64, scheme, None, 10 * i)[0],
+                dense=make_linear(64, 64, scheme, None, 10 * i + 1)[0],
+                post_norm=torch.rand(64, generator=gen) + 0.5,
+                gate_up=None if sparse else make_linear(192, 64, scheme, None, 10 * i + 2)[0],
+                proj=None if sparse else make_linear(64, 96, scheme, None, 10 * i + 3)[0],
+                moe=make_moe(64, 32, 4, 2, normalize, scheme, 100 * i)[0] if sparse else None,
+            )
+        )
+    embedding = torch.randn(50, 64, generator=gen)
+    weights = ModelWeights(embedding, layers, torch.ones(64), DenseLinear(embedding))
+    assert_steps_match(model_steps(config, weights, True), model_steps(config, weights, False), scheme)
+
+
+def test_model_falls_back_for_what_the_kernel_does_not_compute() -> None:
+    """FusedDecoder.build declines what the kernel does not compute: another activation, MoE experts other
+    than SwiGLU, a MoE block without experts or with a non-fp32 router; it takes sparse SwiGLU layers."""
     layer = LayerWeights(
-        torch.ones(64),
-        *(DenseLinear(torch.randn(o, i)) for o, i in ((128, 64), (64, 64))),
-        torch.ones(64),
-        *(DenseLinear(torch.randn(o, i)) for o, i in ((192, 64), (64, 96))),
+        input_norm=torch.ones(64),
+        qkv=DenseLinear(torch.randn(128, 64)),
+        dense=DenseLinear(torch.randn(64, 64)),
+        post_norm=torch.ones(64),
+        gate_up=DenseLinear(torch.randn(192, 64)),
+        proj=DenseLinear(torch.randn(64, 96)),
     )
     embedding = torch.randn(50, 64)
     weights = ModelWeights(embedding, [layer], torch.ones(64), DenseLinear(embedding))
-    base = {
-        "architecture": "LlamaForCausalLM", "dtype": "float32", "vocab_size": 50, "hidden_size": 64,
-        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-        "intermediate_size": 96, "max_position_embeddings": 128, "norm_epsilon": EPS, "hidden_act": "silu",
-    }  # fmt: skip
-    assert FusedDecoder.build(model_config_from_dict(base), weights) is not None
-    assert FusedDecoder.build(model_config_from_dict({**base, "hidden_act": "gelu"}), weights) is None
+    base = model_config_from_dict({**MODEL_CONFIG, "num_hidden_layers": 1, "hidden_act": "silu"})
+    gelu = model_config_from_dict({**MODEL_CONFIG, "num_hidden_layers": 1, "hidden_act": "gelu_pytorch_tanh"})
+    assert FusedDecoder.build(base, weights) is not None
+    gelu_erf = model_config_from_dict({**MODEL_CONFIG, "num_hidden_layers": 1, "hidden_act": "gelu"})
+    assert FusedDecoder.build(gelu_erf, weights) is None
+    assert FusedDecoder.build(gelu, weights) is not None
+    moe, _ = make_moe(64, 32, 4, 2, True, None, 0)
+    layer.gate_up = layer.proj = None
+    layer.moe = moe
+    assert FusedDecoder.build(base, weights) is not None
+    assert FusedDecoder.build(gelu, weights) is None  # moe_forward's experts are SwiGLU
+    layer.moe = MoEWeights(moe.router.double(), moe.gate_up, moe.proj, 2, True)
+    assert FusedDecoder.build(base, weights) is None
     layer.moe = MoEWeights(torch.randn(2, 64), [], [], 1, True)
-    assert FusedDecoder.build(model_config_from_dict(base), weights) is None
+    assert FusedDecoder.build(base, weights) is None
 
 
 # Run in a fresh interpreter: the kernel library is picked and loaded once per process.
@@ -285,6 +448,8 @@ import torch, torch.nn.functional as F
 from pipeline.runtime.model.fused_decoder import FusedDecoder
 from pipeline.runtime.model.greedy_head import GreedyLMHead
 from pipeline.runtime.model.layers import DenseLinear
+from pipeline.runtime.model.moe import moe_forward
+from pipeline.runtime.model.weights import MoEWeights
 from pipeline.runtime.kernels import ops as kernels
 from pipeline.runtime.kernels.build import kernel_isa
 print("isa", kernel_isa(), "available", kernels.kernels_available())
@@ -322,6 +487,18 @@ if kernels.kernels_available():
         h = h + r(F.silu(gu[:, :1536]) * gu[:, 1536:]) @ wb[2].T
         want = r(rms(h, n[3])) @ wb[3].T
         assert (plan16.run(0, hidden, attn) - want).abs().max() <= 2e-3 * want.abs().max()
+        # A MoE block in place of the MLP: 8 experts, 2 per row.
+        moe = MoEWeights(torch.randn(8, 576, generator=g),
+                         [DenseLinear(torch.randn(512, 576, generator=g) * 576**-0.5) for _ in range(8)],
+                         [DenseLinear(torch.randn(576, 256, generator=g) * 256**-0.5) for _ in range(8)], 2, True)
+        sparse = FusedDecoder.plan([FusedDecoder.layer_args([DenseLinear(ws[0]), None, None, DenseLinear(ws[3])],
+                                                            norms, moe)], 1e-5)
+        hidden = torch.randn(rows, 576, generator=g)
+        h = hidden + attn @ ws[0].T
+        h = h + moe_forward(rms(h, n[1]), moe)
+        want = rms(h, n[3]) @ ws[3].T
+        got = sparse.run(0, hidden, attn)
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max() and torch.allclose(hidden, h, atol=1e-4)
         head = torch.randn(5000, 576, generator=g)
         x = torch.randn(rows, 576, generator=g)
         assert GreedyLMHead(head)(x) == kernels.gemm_f32(x, head).argmax(1).tolist()

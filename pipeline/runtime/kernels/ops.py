@@ -107,6 +107,9 @@ def decoder_plan(
     group_sizes: list[int],
     eps: float,
     activation: str = "silu",
+    moe_linears: list[torch.Tensor | None] | None = None,
+    moe_group_sizes: list[int] | None = None,
+    moe_shapes: list[int] | None = None,
 ) -> Any:
     """A `torch.classes.llmpipe_quant.DecoderPlan`: validated decoder-layer steps whose `run(i, hidden, attn)`
     computes entry i's dense part in one call, updating the residual stream hidden [M, H] in place.
@@ -122,9 +125,27 @@ def decoder_plan(
     with act = silu or gelu_pytorch_tanh (`activation`). Then, with a next norm or next_qkv, it returns
     next_qkv(x) for x = rms_norm(hidden) * next_norm (or hidden), or x itself without next_qkv; with neither,
     an empty [0, H] tensor. The plan keeps the weights alive.
+
+    A sparse entry has no gate_up or down but a MoE block in place of the MLP (m above): `moe_shapes` holds
+    [num_experts E, top_k, normalize] per entry (E = 0 for the others; all zero when omitted) and each sparse
+    entry, in order, takes its next 2 E + 1 linears from `moe_linears` (4 tensors each, as above: the fp32
+    router [E, H] without scales or bias, then every expert's gate_up and down) and group sizes from
+    `moe_group_sizes`. It computes pipeline.runtime.model.moe.moe_forward(x): router softmax in fp32, the top_k
+    experts (renormalized when `normalize`), their SwiGLU outputs times the weights summed in ascending expert
+    order.
     """
     _op("gemm_f32")  # builds and loads the library, or raises why not
-    return torch.classes.llmpipe_quant.DecoderPlan(linears, norms, group_sizes, eps, activation)
+    count = len(norms) // 4
+    return torch.classes.llmpipe_quant.DecoderPlan(
+        linears,
+        norms,
+        group_sizes,
+        eps,
+        activation,
+        moe_linears or [],
+        moe_group_sizes or [],
+        moe_shapes if moe_shapes is not None else [0] * (3 * count),
+    )
 
 
 def greedy_argmax(

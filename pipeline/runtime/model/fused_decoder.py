@@ -1,14 +1,15 @@
 """Decode-sized steps through the fused decoder-layer kernel (`torch.classes.llmpipe_quant.DecoderPlan`).
 
 A step of few tokens then costs two calls per layer, attention and everything else, instead of about ten
-torch ops: for a 30-layer 135M model, per-op overhead is otherwise as large as the GEMVs themselves. Steps
-with more token rows (prefill chunks) keep the op-by-op path, whose GEMMs are faster there.
+torch ops (a sparse MoE layer: some 30): for a 30-layer 135M model, per-op overhead is otherwise as large as
+the GEMVs themselves. Steps with more token rows (prefill chunks) keep the op-by-op path, whose GEMMs are
+faster there.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -16,14 +17,30 @@ from pipeline.runtime.engine_config import ModelConfig
 from pipeline.runtime.kernels import ops as kernels
 from pipeline.runtime.model.attention import Attention
 from pipeline.runtime.model.layers import DenseLinear, Linear
-from pipeline.runtime.model.weights import ModelWeights
+from pipeline.runtime.model.weights import LayerWeights, ModelWeights, MoEWeights
 from pipeline.runtime.quant.linear import MAX_KERNEL_ROWS, QuantLinear
 from pipeline.runtime.worker.attn_metadata import AttentionMetadata
 
 # The MLP activations the kernel computes (config.hidden_act values).
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
-# The plan's per-entry lists: 16 linear tensors, 4 norms, 4 group sizes.
-KernelArgs = tuple[list[torch.Tensor | None], list[torch.Tensor | None], list[int]]
+
+
+class MoEArgs(NamedTuple):
+    """A sparse entry's MoE block for the plan: 4 (2 E + 1) linear tensors (router, then each expert's gate_up
+    and down), 2 E + 1 group sizes, [E, top_k, normalize]."""
+
+    linears: list[torch.Tensor | None]
+    group_sizes: list[int]
+    shape: list[int]
+
+
+class KernelArgs(NamedTuple):
+    """The plan's per-entry lists: 16 linear tensors, 4 norms, 4 group sizes; a sparse entry's MoE block."""
+
+    linears: list[torch.Tensor | None]
+    norms: list[torch.Tensor | None]
+    group_sizes: list[int]
+    moe: MoEArgs | None = None
 
 
 def _runs_on_kernel(linear: Linear) -> bool:
@@ -41,6 +58,30 @@ def _max_rows(linear: Linear) -> int:
     return MAX_KERNEL_ROWS["bf16" if linear.weight.dtype == torch.bfloat16 else "fp32"]
 
 
+def _layer_linears(layer: LayerWeights) -> list[Linear | None]:
+    if layer.moe is None:
+        return [layer.qkv, layer.dense, layer.gate_up, layer.proj]
+    return [layer.qkv, layer.dense, *layer.moe.gate_up, *layer.moe.proj]
+
+
+def _flatten(linears: Sequence[Linear | None]) -> tuple[list[torch.Tensor | None], list[int]]:
+    """[weight, scales, zeros, bias] per linear (None where absent) and its int4 group size (else 0)."""
+    flat: list[torch.Tensor | None] = []
+    group_sizes: list[int] = []
+    for linear in linears:
+        if linear is None:
+            flat += [None] * 4
+            group_sizes.append(0)
+        elif isinstance(linear, QuantLinear):
+            flat += [linear.qweight, linear.scales, linear.zeros, linear.bias]
+            group_sizes.append(linear.group_size or 0)
+        else:
+            assert isinstance(linear, DenseLinear)
+            flat += [linear.weight, None, None, linear.bias]
+            group_sizes.append(0)
+    return flat, group_sizes
+
+
 class FusedDecoder:
     """Runs all layers of a step of at most `max_rows` tokens: per layer, the attention, then one kernel call
     for the output projection, MLP and residual adds, and the next layer's norm and q/k/v projection."""
@@ -56,25 +97,29 @@ class FusedDecoder:
     @classmethod
     def build(cls, config: ModelConfig, weights: ModelWeights) -> FusedDecoder | None:
         """None unless the kernels are available and run every layer's linears, norms (CPU, fp32) and MLP
-        activation; sparse (MoE) layers run op by op."""
+        activation; a sparse (MoE) layer's experts (SwiGLU, as moe_forward computes them) and fp32 router
+        too."""
         layers = weights.layers
-        if (
-            not layers
-            or config.hidden_act not in ACTIVATIONS
-            or any(layer.moe is not None for layer in layers)
-        ):
+        sparse = any(layer.moe is not None for layer in layers)
+        if not layers or config.hidden_act not in ACTIVATIONS or (sparse and config.hidden_act != "silu"):
             return None
-        linears = [lin for layer in layers for lin in (layer.qkv, layer.dense, layer.gate_up, layer.proj)]
+        linears = [lin for layer in layers for lin in _layer_linears(layer)]
         norms = [
             n
             for layer in layers
             for n in (layer.input_norm, layer.attention_output_norm, layer.post_norm, layer.mlp_output_norm)
             if n is not None
         ]
-        if not all(lin is not None and _runs_on_kernel(lin) for lin in linears):
+        moes = [layer.moe for layer in layers if layer.moe is not None]
+        if not all(lin is not None and _runs_on_kernel(lin) for lin in linears) or not all(
+            0 < len(moe.gate_up) == len(moe.proj) == moe.router.shape[0] and moe.router.is_contiguous()
+            for moe in moes
+        ):
             return None
+        routers = [moe.router for moe in moes]
+        tensors_ok = all(t.is_cpu and t.dtype == torch.float32 for t in norms + routers)
         # Checked last: the first check builds the kernels, which a CUDA model never needs.
-        if not all(n.is_cpu and n.dtype == torch.float32 for n in norms) or not kernels.kernels_available():
+        if not tensors_ok or not kernels.kernels_available():
             return None
         entries = [
             cls.layer_args([None, None, None, layers[0].qkv], [None, None, None, layers[0].input_norm])
@@ -90,6 +135,7 @@ class FusedDecoder:
                         layer.mlp_output_norm,
                         following.input_norm if following else None,
                     ],
+                    layer.moe,
                 )
             )
         max_rows = min(_max_rows(lin) for lin in linears if lin is not None)
@@ -98,29 +144,41 @@ class FusedDecoder:
     @staticmethod
     def plan(entries: Sequence[KernelArgs], eps: float, activation: str = "silu") -> Any:
         """kernels.decoder_plan over `entries` (from layer_args)."""
-        linears = [t for entry in entries for t in entry[0]]
-        norms = [t for entry in entries for t in entry[1]]
-        group_sizes = [g for entry in entries for g in entry[2]]
-        return kernels.decoder_plan(linears, norms, group_sizes, eps, activation)
+        linears = [t for entry in entries for t in entry.linears]
+        norms = [t for entry in entries for t in entry.norms]
+        group_sizes = [g for entry in entries for g in entry.group_sizes]
+        moes = [entry.moe for entry in entries]
+        return kernels.decoder_plan(
+            linears,
+            norms,
+            group_sizes,
+            eps,
+            activation,
+            [t for moe in moes if moe is not None for t in moe.linears],
+            [g for moe in moes if moe is not None for g in moe.group_sizes],
+            [n for moe in moes for n in (moe.shape if moe is not None else [0, 0, 0])],
+        )
 
     @staticmethod
-    def layer_args(linears: Sequence[Linear | None], norms: Sequence[torch.Tensor | None]) -> KernelArgs:
+    def layer_args(
+        linears: Sequence[Linear | None],
+        norms: Sequence[torch.Tensor | None],
+        moe: MoEWeights | None = None,
+    ) -> KernelArgs:
         """One plan entry from [dense, gate_up, down, next_qkv] and [attention_output_norm, post_norm,
-        mlp_output_norm, next_norm] (None where absent; see kernels.decoder_plan)."""
-        flat: list[torch.Tensor | None] = []
-        group_sizes: list[int] = []
-        for linear in linears:
-            if linear is None:
-                flat += [None] * 4
-                group_sizes.append(0)
-            elif isinstance(linear, QuantLinear):
-                flat += [linear.qweight, linear.scales, linear.zeros, linear.bias]
-                group_sizes.append(linear.group_size or 0)
-            else:
-                assert isinstance(linear, DenseLinear)
-                flat += [linear.weight, None, None, linear.bias]
-                group_sizes.append(0)
-        return flat, list(norms), group_sizes
+        mlp_output_norm, next_norm] (None where absent; see kernels.decoder_plan); a sparse layer has `moe`
+        and no gate_up or down."""
+        flat, group_sizes = _flatten(linears)
+        moe_args = None
+        if moe is not None:
+            experts = [lin for pair in zip(moe.gate_up, moe.proj, strict=True) for lin in pair]
+            moe_flat, moe_groups = _flatten(experts)
+            moe_args = MoEArgs(
+                [moe.router, None, None, None, *moe_flat],
+                [0, *moe_groups],
+                [len(moe.gate_up), moe.num_experts_per_tok, int(moe.normalize_top_k)],
+            )
+        return KernelArgs(flat, list(norms), group_sizes, moe_args)
 
     def forward(self, hidden: torch.Tensor, attention: Attention, meta: AttentionMetadata) -> torch.Tensor:
         """hidden [T, H] embeddings (updated in place) -> the last layer's output (before the final norm)."""

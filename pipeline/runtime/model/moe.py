@@ -17,6 +17,8 @@ def moe_forward(x: torch.Tensor, moe: MoEWeights) -> torch.Tensor:
     if moe.normalize_top_k:
         weights /= weights.sum(dim=-1, keepdim=True)
     weights = weights.to(x.dtype)
+    if x.shape[0] == 1:  # one token (decode off the fused path): its k experts, without regrouping
+        return _one_row(x, moe, weights, experts)
     out = torch.zeros_like(x)
     # One pass over the (token, slot) pairs sorted by expert, instead of a mask per expert.
     flat = experts.flatten()
@@ -30,8 +32,21 @@ def moe_forward(x: torch.Tensor, moe: MoEWeights) -> torch.Tensor:
         rows = tokens[start : start + count]
         picked = order[start : start + count]
         start += count
-        gate_up = moe.gate_up[expert](x.index_select(0, rows))  # [n, 2 * inter]
-        inter = gate_up.shape[1] // 2
-        y = moe.proj[expert](F.silu(gate_up[:, :inter]) * gate_up[:, inter:])  # [n, hidden]
+        y = _expert(moe, expert, x.index_select(0, rows))
         out.index_add_(0, rows, y * weights.flatten()[picked, None])
+    return out
+
+
+def _expert(moe: MoEWeights, expert: int, x: torch.Tensor) -> torch.Tensor:
+    gate_up = moe.gate_up[expert](x)  # [n, 2 * inter]
+    inter = gate_up.shape[1] // 2
+    return moe.proj[expert](F.silu(gate_up[:, :inter]) * gate_up[:, inter:])  # [n, hidden]
+
+
+def _one_row(x: torch.Tensor, moe: MoEWeights, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """The grouped pass's result for x [1, hidden], bit for bit, without its index arithmetic: index_add_ of
+    the lone row is add_."""
+    out = torch.zeros_like(x)
+    for expert, slot in sorted((e, slot) for slot, e in enumerate(experts[0].tolist())):
+        out.add_(_expert(moe, expert, x) * weights[:, slot : slot + 1])
     return out

@@ -13,6 +13,8 @@
 // -1 (torch's own float result carries that cancellation, so the two agree to ~1e-7 of x).
 #include "decoder.h"
 
+#include <string.h>
+
 #include <vector>
 
 #include "gemm_blocks.h"
@@ -213,6 +215,71 @@ void team_linear(const LinearRef& l, const float* x, int64_t M, int64_t ldx, flo
   }
 }
 
+// Which experts each row takes (MoEBlock): filled by one thread, read by the team.
+struct Routing {
+  std::vector<float> probs;      // [E]: one row's router probabilities
+  std::vector<char> taken;       // [E]: experts already in its top k (all 0 between rows)
+  std::vector<int64_t> offset;   // [E + 1]: expert e's rows sit at positions offset[e] .. offset[e + 1] - 1
+  std::vector<int64_t> row;      // [M k]: the token row at each position (ascending within an expert)
+  std::vector<int64_t> pos;      // [M k]: row m's j-th expert (experts ascending) output position
+  std::vector<float> weight;     // [M k]: and its weight
+  std::vector<int64_t> expert;   // [M k]: and the expert
+};
+
+// Softmax of each row's router logits [M, E] in fp32 (torch's order: exp(l - max), times 1 / sum), its top k
+// (descending, ties to the lower expert), optionally renormalized; then positions grouped by expert.
+void route(const MoEBlock& moe, const float* logits, int64_t M, Routing& r) {
+  const int64_t E = moe.num_experts, k = moe.top_k;
+  float* p = r.probs.data();
+  std::vector<int64_t> count(E, 0);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* l = logits + m * E;
+    float mx = l[0];
+    for (int64_t e = 1; e < E; ++e) mx = l[e] > mx ? l[e] : mx;
+    float sum = 0.0f;
+    for (int64_t e = 0; e < E; ++e) {
+      p[e] = expf(l[e] - mx);
+      sum += p[e];
+    }
+    const float inv = 1.0f / sum;
+    for (int64_t e = 0; e < E; ++e) p[e] *= inv;
+    int64_t* ex = r.expert.data() + m * k;
+    float* w = r.weight.data() + m * k;
+    float picked = 0.0f;
+    for (int64_t j = 0; j < k; ++j) {
+      int64_t best = -1;  // the largest untaken probability, NaN above all (as torch.topk orders)
+      for (int64_t e = 0; e < E; ++e)
+        if (!r.taken[e] && (best < 0 || p[e] > p[best] || (isnan(p[e]) && !isnan(p[best])))) best = e;
+      ex[j] = best;
+      w[j] = p[best];
+      picked += p[best];
+      r.taken[best] = 1;
+    }
+    for (int64_t j = 0; j < k; ++j) r.taken[ex[j]] = 0;
+    if (moe.normalize)
+      for (int64_t j = 0; j < k; ++j) w[j] /= picked;
+    for (int64_t j = 1; j < k; ++j)  // experts ascending: the order their outputs are summed in
+      for (int64_t i = j; i > 0 && ex[i - 1] > ex[i]; --i) {
+        const int64_t te = ex[i];
+        ex[i] = ex[i - 1];
+        ex[i - 1] = te;
+        const float tw = w[i];
+        w[i] = w[i - 1];
+        w[i - 1] = tw;
+      }
+    for (int64_t j = 0; j < k; ++j) ++count[ex[j]];
+  }
+  r.offset[0] = 0;
+  for (int64_t e = 0; e < E; ++e) r.offset[e + 1] = r.offset[e] + count[e];
+  std::vector<int64_t> fill(r.offset.begin(), r.offset.end() - 1);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t at = fill[r.expert[m * k + j]]++;
+      r.row[at] = m;
+      r.pos[m * k + j] = at;
+    }
+}
+
 }  // namespace
 
 bool walkable(const LinearRef& l) {
@@ -227,13 +294,31 @@ void decoder_step(const DecoderStep& s, int num_threads) {
     extra = need > extra ? need : extra;
     work += l->N * l->K * M;
   }
-  const size_t scratch_floats = static_cast<size_t>(M * H + extra);
+  const MoEBlock* moe = s.attn != nullptr ? s.moe : nullptr;
+  Routing routing;
+  int64_t moe_floats = 0;  // per thread: the gathered rows of an expert [M, H] and a row's sum [H]
+  if (moe != nullptr) {
+    const int64_t E = moe->num_experts, k = moe->top_k;
+    for (const LinearRef* l : {&moe->gate_up[0], &moe->down[0]}) {
+      const int64_t need = linear_scratch(*l, M);
+      extra = need > extra ? need : extra;
+      work += l->N * l->K * M * k;
+    }
+    work += E * H * M;
+    moe_floats = M * H + H;
+    routing.probs.resize(E);
+    routing.taken.assign(E, 0);
+    routing.offset.resize(E + 1);
+    for (auto* v : {&routing.row, &routing.pos, &routing.expert}) v->resize(M * k);
+    routing.weight.resize(M * k);
+  }
+  const size_t scratch_floats = static_cast<size_t>(M * H + moe_floats + extra);
   // Tiny models (unit tests) are faster without waking the second thread.
   const bool threaded = num_threads > 1 && work >= (int64_t{1} << 18);
 #pragma omp parallel num_threads(num_threads) if (threaded)
   {
     float* x = thread_scratch(scratch_floats);  // this thread's copy of the normed activations [M, H]
-    float* lin = x + M * H;
+    float* lin = x + M * H + moe_floats;
     // hidden += l(in), or its RMSNorm when `norm` is given: that needs the whole output first, so it goes
     // through s.delta at the cost of a barrier.
     auto add_sublayer = [&](const LinearRef& l, const float* in, const float* norm) {
@@ -252,9 +337,45 @@ void decoder_step(const DecoderStep& s, int num_threads) {
     };
     if (s.attn != nullptr) {
       add_sublayer(s.dense, s.attn, s.attention_output_norm);
-      team_linear(s.gate_up, normed(s.post_norm), M, H, s.gate_up_out, s.gate_up.N, false, lin, s.act,
-                  s.activation);
-      add_sublayer(s.down, s.act, s.mlp_output_norm);
+      if (moe == nullptr) {
+        team_linear(s.gate_up, normed(s.post_norm), M, H, s.gate_up_out, s.gate_up.N, false, lin, s.act,
+                    s.activation);
+        add_sublayer(s.down, s.act, s.mlp_output_norm);
+      } else {
+        const int64_t E = moe->num_experts, k = moe->top_k, I = moe->down[0].K;
+        const float* in = normed(s.post_norm);
+        team_linear(moe->router, in, M, H, s.router_out, E, false, lin, nullptr);
+#pragma omp single
+        route(*moe, s.router_out, M, routing);
+        // Expert by expert (ascending), with the team: its rows' SwiGLU MLP into expert_out at their positions.
+        float* rows_in = x + M * H;
+        for (int64_t e = 0; e < E; ++e) {
+          const int64_t first = routing.offset[e], n = routing.offset[e + 1] - first;
+          if (n == 0) continue;
+          for (int64_t i = 0; i < n; ++i)  // each thread gathers its own copy: cheaper than a barrier
+            memcpy(rows_in + i * H, in + routing.row[first + i] * H, sizeof(float) * H);
+          team_linear(moe->gate_up[e], rows_in, n, H, s.gate_up_out, 2 * I, false, lin, s.act,
+                      Activation::kSilu);
+          team_linear(moe->down[e], s.act, n, I, s.expert_out + first * H, H, false, lin, nullptr);
+        }
+        // m = 0 + w_e y_e + ... over the row's experts ascending, then the residual add (or its norm's).
+        float* sum = rows_in + M * H;
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; ++m) {
+          float* o = s.mlp_output_norm != nullptr ? s.delta + m * H : sum;
+          for (int64_t i = 0; i < H; ++i) o[i] = 0.0f;
+          for (int64_t j = 0; j < k; ++j) {
+            const float* y = s.expert_out + routing.pos[m * k + j] * H;
+            const float w = routing.weight[m * k + j];
+            for (int64_t i = 0; i < H; ++i) o[i] += y[i] * w;
+          }
+          if (s.mlp_output_norm == nullptr) {
+            float* h = s.hidden + m * H;
+            for (int64_t i = 0; i < H; ++i) h[i] += o[i];
+          }
+        }
+        if (s.mlp_output_norm != nullptr) team_add_rms_norm(s.delta, M, H, s.mlp_output_norm, s.eps, s.hidden);
+      }
     }
     if (s.next_qkv.kind != WeightKind::kAbsent) {
       team_linear(s.next_qkv, normed(s.next_norm), M, H, s.out, s.next_qkv.N, false, lin, nullptr);

@@ -21,11 +21,24 @@ struct LinearRef {
 // The MLP's activation: SwiGLU's silu or GeGLU's tanh-approximated gelu (torch's approximate="tanh").
 enum class Activation : int { kSilu = 0, kGeluTanh = 1 };
 
+// A sparse MoE block in place of the gated MLP (Mixtral, Qwen3-MoE), in transformers' order: per row, the
+// softmax (fp32) of x @ router.T over the experts, its top_k (ties: the lower expert), renormalized to sum 1
+// when `normalize`; then m = 0 + w_e * silu_mlp_e(x) + ... over the row's experts in ascending order (the order
+// index_add_ sums them in). Every expert has the same shape and weight format.
+struct MoEBlock {
+  LinearRef router;           // [E, H]
+  const LinearRef* gate_up;   // E experts' [2 I, H] (gate rows, then up rows)
+  const LinearRef* down;      // E experts' [H, I]
+  int64_t num_experts, top_k;
+  bool normalize;
+};
+
 // hidden [M, H] is the residual stream, updated in place; every norm below may be absent (null). With `attn`
 // ([M, dense.K]):
 //   a = attn @ dense.T; hidden += attention_output_norm ? rms_norm(a) * attention_output_norm : a
 //   x = post_norm ? rms_norm(hidden) * post_norm : hidden
 //   m = act(x @ gate.T) * (x @ up.T) @ down.T      (gate_up holds the gate rows, then the up rows: [2 I, H])
+//       or, with `moe`, its MoE block of x (gate_up and down absent)
 //   hidden += mlp_output_norm ? rms_norm(m) * mlp_output_norm : m
 // then, with next_norm or next_qkv: x = next_norm ? rms_norm(hidden) * next_norm : hidden, and
 // out = x @ next_qkv.T (the next layer's fused q/k/v), or out = x when next_qkv is absent.
@@ -34,14 +47,17 @@ struct DecoderStep {
   int64_t M, H;
   const float* attn;  // or null: skip the attention output and MLP (the first layer's entry)
   LinearRef dense, gate_up, down, next_qkv;
+  const MoEBlock* moe;  // or null: the gated MLP
   const float* attention_output_norm;
   const float* post_norm;
   const float* mlp_output_norm;
   const float* next_norm;
   Activation activation;
   float eps;
-  float* gate_up_out;  // scratch [M, 2 I]
+  float* gate_up_out;  // scratch [M, 2 I] (I: an expert's width with `moe`)
   float* act;          // scratch [M, I]
+  float* router_out;   // scratch [M, E] with `moe`, else null
+  float* expert_out;   // scratch [M top_k, H] with `moe`, else null
   float* delta;        // scratch [M, H] for a sublayer output normed before its residual add, else null
   float* out;          // [M, next_qkv.N], or [M, H] without next_qkv
 };
