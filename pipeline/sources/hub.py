@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from huggingface_hub import constants, snapshot_download
 from huggingface_hub.errors import (
@@ -22,7 +23,7 @@ from huggingface_hub.utils import filter_repo_objects
 
 from pipeline.errors import ConfigError, MissingArtifactError, PipelineError
 from pipeline.sources import PICKLE_WEIGHTS, SAFETENSORS_WEIGHTS, TOKENIZER_FILES
-from pipeline.util.files import link_or_copy
+from pipeline.util.files import link_or_copy, read_json_object
 
 CONFIG_FILES = ("config.json", "generation_config.json")
 TRUE_VALUES = {"1", "ON", "YES", "TRUE"}
@@ -56,6 +57,19 @@ def download_snapshot(
             hint="use a repository in the transformers layout, or `source.kind: gguf` for a GGUF file",
         )
     return snapshot.name, files
+
+
+def download_config(repo_id: str, revision: str, token_env: str = "HF_TOKEN") -> dict[str, Any]:
+    """`repo_id`'s config.json at `revision` alone (a few KB through the same cache), so a model that cannot
+    be built is refused before its weights are downloaded."""
+    snapshot = _download(repo_id, revision, ["config.json"], token_env, os.environ.get(token_env) or None)
+    path = snapshot / "config.json"
+    if not path.is_file():
+        raise MissingArtifactError(
+            f"{repo_id}@{revision} has no config.json: not a transformers checkpoint",
+            hint="use a repository in the transformers layout, or `source.kind: gguf` for a GGUF file",
+        )
+    return read_json_object(path)
 
 
 def _download(repo_id: str, revision: str, patterns: list[str], token_env: str, token: str | None) -> Path:

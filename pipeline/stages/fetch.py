@@ -61,9 +61,10 @@ def produce(cfg: BuildConfig, inputs: dict[str, StageInput], out: Path) -> dict[
     src = cfg.source
     facts: dict[str, Any] = {"kind": src.kind}
     if src.kind == "hub":
-        from pipeline.sources.hub import download_snapshot
+        from pipeline.sources.hub import download_config, download_snapshot
 
         assert src.repo_id and src.revision
+        check_buildable(cfg, download_config(src.repo_id, src.revision))  # before the weights download
         sha, _files = download_snapshot(src.repo_id, src.revision, out, allow_pickle=src.allow_pickle)
         facts.update(repo_id=src.repo_id, revision=src.revision, resolved_commit=sha)
         root = out
@@ -79,16 +80,20 @@ def produce(cfg: BuildConfig, inputs: dict[str, StageInput], out: Path) -> dict[
         root = out
     checkpoint = inspect_local_checkpoint(root, src.allow_pickle, src.trust_remote_code)
     facts["architecture"] = checkpoint.architecture
-    if cfg.backend == "torch":
-        check_torch_buildable(cfg, checkpoint.config)
+    check_buildable(cfg, checkpoint.config)
     return facts
 
 
-def check_torch_buildable(cfg: BuildConfig, hf_config: dict[str, Any]) -> None:
-    """What convert and quantize would refuse, refused here, before any conversion."""
-    from pipeline.architectures.hf_config import pretrained_config_from_hf
+def check_buildable(cfg: BuildConfig, hf_config: dict[str, Any]) -> None:
+    """What later stages would refuse in HF config.json `hf_config`, refused here, before any conversion: an
+    architecture or config llmpipe would build wrong, and on the torch backend what its convert and quantize
+    lack."""
+    from pipeline.architectures.hf_config import check_hf_config, pretrained_config_from_hf
     from pipeline.quantize.run import is_calibrated
 
+    check_hf_config(hf_config)
+    if cfg.backend != "torch":
+        return
     pretrained = pretrained_config_from_hf(hf_config, "float32")
     problem = torch_quantization_problem(pretrained, cfg.quantization.mode, is_calibrated(cfg.quantization))
     if problem:

@@ -135,3 +135,27 @@ def test_configs_read_as_transformers_reads_them(tiny_dirs: dict[str, Path]) -> 
     assert read["smollm3"]["nope_layers"] == [1]
     assert read["olmo2"]["norm_layout"] == "post" and read["olmo2"]["qk_norm"] == "full"
     assert read["granite"]["attention_scale"] == 0.2 and read["granite"]["logits_scaling"] == 2.0
+
+
+def test_a_hub_checkpoint_is_refused_from_its_config_before_the_weights_download(
+    tiny_dirs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pipeline.sources.hub as hub
+
+    source = relabelled(tiny_dirs["granite"], tmp_path / "ckpt", architectures=["LlamaForCausalLM"])
+    requested: list[list[str]] = []
+
+    def fake_snapshot_download(repo_id: str, *, allow_patterns: list[str], **_: Any) -> str:
+        requested.append(allow_patterns)
+        return str(source)
+
+    monkeypatch.setattr(hub, "snapshot_download", fake_snapshot_download)
+    config = write_config(tmp_path, source)
+    data = json.loads(config.read_text())
+    config.write_text(
+        json.dumps({**data, "source": {"kind": "hub", "repo_id": "org/granite", "revision": "main"}})
+    )
+    result = fetch(tmp_path, config)
+    assert result.exit_code == 1, result.output
+    assert "LlamaForCausalLM config.json sets embedding_multiplier=3.0" in result.output
+    assert requested == [["config.json"]], "only config.json may be requested before the check"
