@@ -50,8 +50,10 @@ MATH_KEYS: dict[str, tuple[Any, tuple[str, ...]]] = {
     # transformers aliases the two names to each other in both MoE configs
     "num_local_experts": (None, ("MixtralForCausalLM", "Qwen3MoeForCausalLM")),
     "num_experts": (None, ("MixtralForCausalLM", "Qwen3MoeForCausalLM")),
-    "use_bidirectional_attention": (False, ()),
-    "pretraining_tp": (1, ("LlamaForCausalLM",)),
+    "sliding_window": (None, ("MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                              "Qwen3MoeForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM",
+                              "SmolLM3ForCausalLM")),
+    "use_bidirectional_attention": (False, ("Gemma3ForCausalLM",)),
 }  # fmt: skip
 
 
@@ -233,6 +235,11 @@ def _gemma(config: Any, pretrained: dict[str, Any]) -> None:
 
 
 def _gemma3(config: Any, pretrained: dict[str, Any]) -> None:
+    if getattr(config, "use_bidirectional_attention", False):
+        raise UnsupportedModelError(
+            "Gemma3ForCausalLM checkpoint uses use_bidirectional_attention=true (an embedding model, not a causal "
+            "LM); the torch runtime attends causally"
+        )
     _gemma(config, pretrained)
     pretrained["qk_norm"] = "per_head"
     params = getattr(config, "rope_parameters", None)
