@@ -52,10 +52,7 @@ def download_snapshot(
     snapshot = _download(repo_id, revision, patterns, token_env, token)
     files = _materialize(snapshot, Path(out_dir), patterns)
     if "config.json" not in files:
-        raise MissingArtifactError(
-            f"{repo_id}@{revision} has no config.json: not a transformers checkpoint",
-            hint="use a repository in the transformers layout, or `source.kind: gguf` for a GGUF file",
-        )
+        raise _no_config(repo_id, revision)
     return snapshot.name, files
 
 
@@ -65,11 +62,15 @@ def download_config(repo_id: str, revision: str, token_env: str = "HF_TOKEN") ->
     snapshot = _download(repo_id, revision, ["config.json"], token_env, os.environ.get(token_env) or None)
     path = snapshot / "config.json"
     if not path.is_file():
-        raise MissingArtifactError(
-            f"{repo_id}@{revision} has no config.json: not a transformers checkpoint",
-            hint="use a repository in the transformers layout, or `source.kind: gguf` for a GGUF file",
-        )
+        raise _no_config(repo_id, revision)
     return read_json_object(path)
+
+
+def _no_config(repo_id: str, revision: str) -> MissingArtifactError:
+    return MissingArtifactError(
+        f"{repo_id}@{revision} has no config.json: not a transformers checkpoint",
+        hint="use a repository in the transformers layout, or `source.kind: gguf` for a GGUF file",
+    )
 
 
 def _download(repo_id: str, revision: str, patterns: list[str], token_env: str, token: str | None) -> Path:

@@ -5,10 +5,7 @@ names it, the route's release and what it has, and the backend to use instead.""
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +38,6 @@ from pipeline.quantize.modelopt.run import check_config
 from tests.contract import upstream_facts
 from tests.contract.upstream_facts import RELEASE
 
-STAND_IN = Path(__file__).resolve().parents[1] / "stand_in_tensorrt_llm"
 ENGINE = upstream_facts.engine_model_classes()
 PYTORCH = upstream_facts.pytorch_backend_architectures()
 MODELOPT = upstream_facts.modelopt_exports()
@@ -58,23 +54,6 @@ def hf_checkpoint(folder: Path, arch: str) -> Path:
     (folder / "model.safetensors").write_bytes(b"placeholder")
     (folder / "tokenizer.json").write_text("{}")
     return folder
-
-
-def _drop_trtllm_modules() -> None:
-    for name in [n for n in sys.modules if n == "tensorrt_llm" or n.startswith("tensorrt_llm.")]:
-        del sys.modules[name]
-
-
-@pytest.fixture
-def trtllm(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """The stand-in `tensorrt_llm` (TensorRT-LLM 1.x signatures, calls recorded in CALLS) on sys.path."""
-    _drop_trtllm_modules()
-    monkeypatch.syspath_prepend(str(STAND_IN))
-    importlib.invalidate_caches()
-    module = importlib.import_module("tensorrt_llm")
-    module.CALLS.clear()
-    yield module
-    _drop_trtllm_modules()
 
 
 def make_cfg(hf_dir: Path, backend: str, **sections: Any) -> BuildConfig:

@@ -12,11 +12,9 @@ Without TensorRT-LLM every step that needs it stops at once with what to install
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,32 +30,14 @@ from pipeline.backends.trtllm.quantize import quantize
 from pipeline.config.build_config import BuildConfig
 from pipeline.errors import BackendUnavailableError, ConfigError, ServingError
 from tests.contract import fake_trtllm_build, upstream_facts
+from tests.contract.conftest import drop_trtllm_modules
 from tests.contract.render import CONFIG_DIR, load
 from tests.contract.upstream_facts import RELEASE, key_paths, layout_children
-
-STAND_IN = Path(__file__).resolve().parents[1] / "stand_in_tensorrt_llm"
 
 
 def make_cfg(**sections: Any) -> BuildConfig:
     data = {"name": "s", "backend": "trtllm", "source": {"kind": "local", "path": "m"}, **sections}
     return BuildConfig.model_validate(data)
-
-
-def _drop_trtllm_modules() -> None:
-    for name in [n for n in sys.modules if n == "tensorrt_llm" or n.startswith("tensorrt_llm.")]:
-        del sys.modules[name]
-
-
-@pytest.fixture
-def trtllm(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """The stand-in `tensorrt_llm` on sys.path; yields its module (CALLS holds the recorded calls)."""
-    _drop_trtllm_modules()
-    monkeypatch.syspath_prepend(str(STAND_IN))
-    importlib.invalidate_caches()
-    module = importlib.import_module("tensorrt_llm")
-    module.CALLS.clear()
-    yield module
-    _drop_trtllm_modules()
 
 
 @pytest.fixture
@@ -75,7 +55,7 @@ def calls(module: Any, name: str) -> list[dict[str, Any]]:
 
 # ---- without TensorRT-LLM -------------------------------------------------------------------------------
 def test_steps_stop_at_once_with_what_to_install(tmp_path: Path, hf_dir: Path) -> None:
-    _drop_trtllm_modules()
+    drop_trtllm_modules()
     for cfg, step in ((make_cfg(), convert), (make_cfg(quantization={"mode": "int8_wo"}), convert),
                       (make_cfg(), build_step.build)):  # fmt: skip
         with pytest.raises(BackendUnavailableError) as info:
@@ -86,7 +66,7 @@ def test_steps_stop_at_once_with_what_to_install(tmp_path: Path, hf_dir: Path) -
 
 
 def test_convert_for_a_modelopt_format_needs_no_tensorrt_llm(tmp_path: Path, hf_dir: Path) -> None:
-    _drop_trtllm_modules()
+    drop_trtllm_modules()
     (hf_dir / "config.json").write_text(json.dumps({
         "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
         "intermediate_size": 128}))  # fmt: skip
@@ -216,7 +196,7 @@ def test_weight_only_passes_the_converted_checkpoint_through(tmp_path: Path) -> 
     ckpt.mkdir()
     (ckpt / "config.json").write_text("{}")
     (ckpt / "rank0.safetensors").write_bytes(b"x")
-    _drop_trtllm_modules()
+    drop_trtllm_modules()
     facts = quantize(make_cfg(quantization={"mode": "int8_wo"}), ckpt, out)
     assert facts["pass_through"] and "tensorrt_llm" not in sys.modules
     assert (out / "rank0.safetensors").read_bytes() == b"x"
