@@ -14,6 +14,7 @@ from pipeline.cli.config import config
 from pipeline.cli.doctor import doctor
 from pipeline.cli.generate import generate
 from pipeline.cli.inspect import inspect
+from pipeline.cli.openai_server import openai_server
 from pipeline.cli.options import CONTEXT
 from pipeline.cli.serve import serve
 from pipeline.cli.validate import validate
@@ -55,6 +56,7 @@ def cli() -> None:
 
 for _command in (build, *STAGE_COMMANDS, config, serve, generate, validate, bench, doctor, inspect):
     cli.add_command(_command)
+cli.add_command(openai_server)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,6 +6,8 @@ import os
 import shlex
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,14 +17,16 @@ import click
 from pipeline.cli.options import CONTEXT, overrides_option
 from pipeline.errors import BackendUnavailableError, MissingArtifactError, ServingError
 from pipeline.serving.server.command import ServerOptions, find_tritonserver, server_command
-from pipeline.serving.server.launcher import TritonServer, failure_lines
+from pipeline.serving.server.launcher import TritonServer, failure_lines, free_port
 from pipeline.serving.server.trtllm_launch import CONTAINER_TRITONSERVER, TrtllmLaunch, launch_for
 
 if TYPE_CHECKING:
     from pipeline.artifacts import Manifest
     from pipeline.config.build_config import BuildConfig
+    from pipeline.serving.openai import BackgroundFrontEnd
 
 DEFAULT_CONFIG = "build_configs/smollm2-135m.yaml"
+DEFAULT_OPENAI_PORT = 9000  # serving.openai_port's default, for a repository served without its config
 
 
 @dataclass(frozen=True)
@@ -59,7 +63,7 @@ def _trtllm_build(cfg: BuildConfig, manifest: Manifest | None) -> _TrtllmBuild:
     return _TrtllmBuild(cfg, Path(engine))
 
 
-def _from_repository(path: Path, starting: bool) -> tuple[ServerOptions, _TrtllmBuild | None]:
+def _from_repository(path: Path, starting: bool) -> tuple[ServerOptions, _TrtllmBuild | None, int | None]:
     if not any(path.glob("*/config.pbtxt")):
         raise MissingArtifactError(
             f"{path} is not a Triton model repository (no */config.pbtxt)",
@@ -73,7 +77,7 @@ def _from_repository(path: Path, starting: bool) -> tuple[ServerOptions, _Trtllm
     # A trtllm_pytorch repository's model is a Python one: only its manifest tells it from a torch one.
     llmapi = manifest is not None and manifest.facts.get("backend") == "trtllm_pytorch"
     if not llmapi and not _serves_tensorrt_llm(path):
-        return options, None
+        return options, None, DEFAULT_OPENAI_PORT
     if starting and not llmapi:
         _check_backend_available(path)
     recorded = manifest.facts.get("build_config") if manifest is not None else None
@@ -84,12 +88,12 @@ def _from_repository(path: Path, starting: bool) -> tuple[ServerOptions, _Trtllm
             hint="Serve it by its build config: `llmpipe serve CONFIG`.",
         )
     cfg = build_config_from_dict(recorded, origin=f"{path / MANIFEST_NAME} build_config")
-    return options, _trtllm_build(cfg, manifest)
+    return options, _trtllm_build(cfg, manifest), cfg.serving.openai_port
 
 
 def _from_config(
     target: str, overrides: tuple[str, ...], starting: bool
-) -> tuple[ServerOptions, _TrtllmBuild | None]:
+) -> tuple[ServerOptions, _TrtllmBuild | None, int | None]:
     from pipeline.artifacts import read_manifest
     from pipeline.config.build_config import load_build_config
     from pipeline.config.workdir import stage_output_dir
@@ -114,7 +118,7 @@ def _from_config(
         grpc_port=s.grpc_port,
         metrics_port=s.metrics_port,
     )
-    return options, _trtllm_build(cfg, manifest) if served_by_trtllm else None
+    return options, _trtllm_build(cfg, manifest) if served_by_trtllm else None, s.openai_port
 
 
 def _launch_for(cfg: BuildConfig) -> TrtllmLaunch | None:
@@ -158,7 +162,7 @@ def _preflight(build: _TrtllmBuild) -> None:
 
 @click.command("serve", context_settings=CONTEXT)
 @click.argument("target", required=False, default=DEFAULT_CONFIG, metavar="[CONFIG|MODEL_REPO]")
-@overrides_option("serving.http_port=9000")
+@overrides_option("serving.http_port=9100")
 @click.option(
     "--host", help="Bind address [serving.host, 127.0.0.1]. 0.0.0.0 exposes the server to the network."
 )
@@ -183,6 +187,17 @@ def _preflight(build: _TrtllmBuild) -> None:
     show_default=True,
     help="tritonserver --log-verbose level.",
 )
+@click.option(
+    "--openai-port",
+    type=click.IntRange(0, 65535),
+    help="Port of the OpenAI-compatible API [serving.openai_port, 9000]; 0 = any free port.",
+)
+@click.option("--no-openai", is_flag=True, help="Run no OpenAI-compatible API beside Triton.")
+@click.option(
+    "--api-key",
+    envvar="LLMPIPE_API_KEY",
+    help="Make the OpenAI-compatible API require `Authorization: Bearer KEY` [$LLMPIPE_API_KEY].",
+)
 @click.option("--verbose", "-v", is_flag=True, help="Print tritonserver's log while it runs.")
 @click.option(
     "--dry-run",
@@ -199,6 +214,9 @@ def serve(
     metrics_port: int | None,
     ready_timeout: float,
     log_verbose: int,
+    openai_port: int | None,
+    no_openai: bool,
+    api_key: str | None,
     verbose: bool,
     dry_run: bool,
 ) -> None:
@@ -223,7 +241,7 @@ def serve(
     \b
     Examples:
       llmpipe serve build_configs/smollm2-135m.yaml
-      llmpipe serve build/tiny-llama/model_repo --http-port 9000 --grpc-port 9001 --metrics-port 9002
+      llmpipe serve build/tiny-llama/model_repo --http-port 9100 --grpc-port 9101 --metrics-port 9102
       llmpipe serve build_configs/smollm2-135m.yaml --dry-run
       llmpipe serve build_configs/llama3-8b-int4-awq-tp2.yaml --dry-run   # the mpirun command
       llmpipe serve build_configs/smollm2-135m-trtllm-pytorch-fp8.yaml --dry-run
@@ -235,9 +253,9 @@ def serve(
     path = Path(target)
     starting = not dry_run  # a dry run prints the command on any machine: no server or runtime checks
     if path.is_dir():
-        options, trtllm_build = _from_repository(path, starting)
+        options, trtllm_build, configured_openai_port = _from_repository(path, starting)
     else:
-        options, trtllm_build = _from_config(target, overrides, starting)
+        options, trtllm_build, configured_openai_port = _from_config(target, overrides, starting)
     options = replace(
         options,
         log_verbose=log_verbose,
@@ -255,8 +273,13 @@ def serve(
         _preflight(trtllm_build)
     click.echo(f"starting tritonserver on {options.model_repository} ...", err=True)
     started = time.monotonic()
-    with server:
-        click.echo(_ready_banner(server, time.monotonic() - started), err=True)
+    with (
+        server,
+        _openai_front_end(
+            server, None if no_openai else _either(openai_port, configured_openai_port), api_key
+        ) as front,
+    ):
+        click.echo(_ready_banner(server, time.monotonic() - started, front), err=True)
         code = server.serve_forever()
         if server.health_failure is not None:
             logged = failure_lines(server.health_failure_log, limit=20)
@@ -291,7 +314,29 @@ def _print_plan(server: TritonServer, nvidia: bool) -> None:
     click.echo(" ".join(shlex.quote(part) for part in [*env, *command]))
 
 
-def _ready_banner(server: TritonServer, seconds: float) -> str:
+@contextmanager
+def _openai_front_end(
+    server: TritonServer, port: int | None, api_key: str | None
+) -> Iterator[BackgroundFrontEnd | None]:
+    """The OpenAI-compatible API over the served repository's tensorrt_llm_bls model (inflight_batcher_llm
+    repositories), once Triton is ready; None when turned off or the repository has no BLS model."""
+    repo = server.options.model_repository
+    if port is None or not (repo / "tensorrt_llm_bls").is_dir():
+        yield None
+        return
+    from pipeline.serving.openai import BackgroundFrontEnd, OpenAIServerOptions
+
+    host = server.options.host
+    options = OpenAIServerOptions(repo, server.grpc_url, host, port or free_port(host), api_key or None)
+    with BackgroundFrontEnd(options) as front:
+        yield front
+
+
+def _either(flag: int | None, configured: int | None) -> int | None:
+    return configured if flag is None else flag
+
+
+def _ready_banner(server: TritonServer, seconds: float, front: BackgroundFrontEnd | None = None) -> str:
     http = server.http_url
     if (server.options.model_repository / "ensemble").is_dir():
         model = "ensemble"
@@ -305,6 +350,7 @@ def _ready_banner(server: TritonServer, seconds: float) -> str:
         f"  HTTP     http://{http}   (POST /v2/models/{model}/generate, /generate_stream)\n"
         f"  gRPC     {server.grpc_url}\n"
         f"  metrics  {server.metrics_url}\n"
-        f"  try:     {attempt}\n"
+        + (f"  OpenAI   {front.url}/v1   (/models, /completions, /chat/completions)\n" if front else "")
+        + f"  try:     {attempt}\n"
         "Press Ctrl-C to stop."
     )

@@ -250,6 +250,13 @@ class ServingSection(_Strict):
     http_port: int = Field(8000, ge=1, le=65535, description="HTTP/REST port.")
     grpc_port: int = Field(8001, ge=1, le=65535, description="gRPC port.")
     metrics_port: int = Field(8002, ge=1, le=65535, description="Prometheus metrics port.")
+    openai_port: int | None = Field(
+        9000,
+        ge=1,
+        le=65535,
+        description="Port of the OpenAI-compatible API (/v1/models, /v1/completions, /v1/chat/completions) that "
+        "`llmpipe serve` runs beside Triton, over the tensorrt_llm_bls model; null = none.",
+    )
     interface: Literal["inflight_batcher_llm", "llmapi"] | None = Field(
         None,
         description="Triton model layout (the folder names of TensorRT-LLM's triton_backend/all_models): "
@@ -284,6 +291,8 @@ class ServingSection(_Strict):
                 "set serving.decoupled: true or serving.streaming: false"
             )
         ports = {"http_port": self.http_port, "grpc_port": self.grpc_port, "metrics_port": self.metrics_port}
+        if self.openai_port is not None:
+            ports["openai_port"] = self.openai_port
         if len(set(ports.values())) != len(ports):
             raise ValueError(f"serving ports must differ, got {ports}")
         return self

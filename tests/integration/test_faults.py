@@ -5,6 +5,7 @@ Python stub killed under a running `llmpipe serve` makes it stop the server and 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -179,7 +181,7 @@ class _Serve:
     """`llmpipe serve REPO` on free ports, its output collected line by line as it comes."""
 
     def __init__(self, repo: Path, cwd: Path) -> None:
-        ports = ("--http-port", "0", "--grpc-port", "0", "--metrics-port", "0")
+        ports = ("--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", "--openai-port", "0")
         self.proc = _llmpipe("serve", str(repo), *ports, cwd=cwd)
         self.lines: list[str] = []
         self._pump = threading.Thread(target=self._read, daemon=True)
@@ -228,6 +230,11 @@ def test_a_killed_python_stub_makes_serve_stop_and_exit_nonzero(served_repo: Pat
             ["preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls"]
         ), stubs
         engine_stub = next(pid for pid, model in stubs.items() if model == "tensorrt_llm")
+        # serve runs the OpenAI-compatible API beside Triton, on the port its banner names
+        openai_url = re.search(r"^  OpenAI   (http://\S+)", serve.output, re.MULTILINE)
+        assert openai_url, serve.output
+        with urllib.request.urlopen(f"{openai_url[1]}/models", timeout=10) as reply:
+            assert json.load(reply)["data"][0]["id"] == "tiny-faults"
         os.kill(engine_stub, signal.SIGKILL)
         killed = time.monotonic()
         code = serve.wait(timeout_s=90)
@@ -241,8 +248,10 @@ def test_a_killed_python_stub_makes_serve_stop_and_exit_nonzero(served_repo: Pat
     # what tritonserver logged while serving (2.51 logs nothing about the stub), not its shutdown after
     assert "so llmpipe stopped tritonserver. Its log while serving:" in out, out
     assert "unloading models" not in out and "Started HTTPService" not in out, out
-    # nothing is left running: the server and every other stub are gone
+    # nothing is left running: the server and every other stub are gone, and the OpenAI API with them
     assert python_stubs(server) == {} and not Path(f"/proc/{server}").exists()
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"{openai_url[1]}/models", timeout=5)
 
 
 @pytest.mark.triton

@@ -127,7 +127,7 @@ def test_the_installed_wheel_builds_packages_and_serves_the_tiny_model(
     workdir = tmp_path / "build" / "tiny-llama"
 
     log = tmp_path / "serve.log"
-    ports = ("--http-port", "0", "--grpc-port", "0", "--metrics-port", "0")
+    ports = ("--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", "--openai-port", "0")
     with log.open("w") as out:
         serve = subprocess.Popen(
             [str(llmpipe), "serve", str(workdir / "model_repo"), *ports],

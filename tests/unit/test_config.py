@@ -184,7 +184,7 @@ def test_bad_yaml_and_missing_file_are_one_line_errors(tmp_path: Path) -> None:
 
 def test_config_hash_tracks_only_named_sections() -> None:
     a = BuildConfig.model_validate(BASE)
-    b = BuildConfig.model_validate(_merge(BASE, {"serving": {"http_port": 9000}}))
+    b = BuildConfig.model_validate(_merge(BASE, {"serving": {"http_port": 9100}}))
     assert a.config_hash("source", "engine") == b.config_hash("source", "engine")
     assert a.config_hash("serving") != b.config_hash("serving")
 

@@ -1,0 +1,132 @@
+"""The request bodies of /v1/completions and /v1/chat/completions: strict, unknown fields refused.
+
+Fields OpenAI defines that this server does not implement are declared anyway (typed Any) so that
+`unsupported()` can refuse them by name when a client sets them, rather than a generic "extra field"."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pipeline.serving.openai.errors import APIError, bad_request, not_supported
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    """What both endpoints share."""
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0)  # an extension: OpenAI has no top_k
+    seed: int | None = Field(default=None, ge=0, lt=2**64)
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    n: int = Field(default=1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted and ignored
+    logit_bias: dict[str, Any] | None = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+
+    # field -> (the values that mean "off", whether it may come later)
+    OFF: ClassVar[dict[str, tuple[tuple[Any, ...], bool]]] = {
+        "logit_bias": ((None, {}), False),
+        "logprobs": ((None, False), True),
+        "top_logprobs": ((None, 0), True),
+    }
+
+    def stop_strings(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return [s for s in stops if s]
+
+    def unsupported(self) -> None:
+        """Refuse what is parsed but not implemented, naming the field."""
+        if self.n != 1:
+            raise bad_request("n", f"n={self.n}: this server returns one choice per request (n=1 only)")
+        for name, (off, later) in self.OFF.items():
+            if getattr(self, name) not in off:
+                raise not_supported(name, yet=later)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str]
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+    OFF: ClassVar[dict[str, tuple[tuple[Any, ...], bool]]] = {
+        **_Sampling.OFF,
+        "echo": ((False,), True),
+        "suffix": ((None, ""), False),
+        "best_of": ((None, 1), False),
+    }
+
+    def prompt_text(self) -> str:
+        if isinstance(self.prompt, str):
+            return self.prompt
+        if len(self.prompt) != 1:
+            raise bad_request("prompt", f"a list of {len(self.prompt)} prompts: send one prompt per request")
+        return self.prompt[0]
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: Any = None
+    response_format: Any = None
+    OFF: ClassVar[dict[str, tuple[tuple[Any, ...], bool]]] = {
+        **_Sampling.OFF,
+        **{name: ((None,), False) for name in ("tools", "tool_choice", "functions", "function_call")},
+        "parallel_tool_calls": ((None,), False),
+        "response_format": ((None, {"type": "text"}), False),
+    }
+
+    def token_limit(self) -> int | None:
+        both = self.max_tokens is not None and self.max_completion_tokens is not None
+        if both and self.max_tokens != self.max_completion_tokens:
+            raise bad_request("max_completion_tokens", "max_tokens and max_completion_tokens disagree")
+        return self.max_completion_tokens or self.max_tokens
+
+
+def parse(model: type[_Sampling], data: Any) -> Any:
+    """The validated request, or a 400 naming the first wrong field."""
+    if not isinstance(data, dict):
+        raise bad_request(None, "the request body must be a JSON object")
+    try:
+        request = model.model_validate(data)
+    except ValidationError as err:
+        first = err.errors()[0]
+        param = ".".join(str(part) for part in first["loc"]) or None
+        message = "unknown parameter" if first["type"] == "extra_forbidden" else first["msg"]
+        raise APIError(400, f"{param}: {message}", param=param, code="invalid_parameter") from None
+    request.unsupported()
+    return request
