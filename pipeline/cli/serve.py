@@ -228,6 +228,9 @@ def serve(
     server with its log lines, and so does a model's Python stub that dies while serving (exit 1: Triton
     itself would go on reporting ready).
 
+    Beside Triton, an OpenAI-compatible API (/v1/models, /v1/completions, /v1/chat/completions) answers on
+    serving.openai_port (9000) over the repository's tensorrt_llm_bls model, unless --no-openai.
+
     A TensorRT-LLM (trtllm) repository is started as tensorrtllm_backend's launch_triton_server.py starts
     it: under mpirun, one tritonserver per GPU rank (tp*pp), or one orchestrator process for a draft-target
     build with tp*pp > 1. Before anything starts, the engine is checked against this machine: the
@@ -249,6 +252,7 @@ def serve(
     Then, from another terminal:
       llmpipe generate "Write a haiku about GPUs" --stream
       curl -X POST localhost:8000/v2/models/ensemble/generate -d '{"text_input": "Hi", "max_tokens": 32}'
+      curl localhost:9000/v1/chat/completions -d '{"model": "smollm2-135m", "messages": [{"role": "user", "content": "Hi"}]}'
     """
     path = Path(target)
     starting = not dry_run  # a dry run prints the command on any machine: no server or runtime checks
