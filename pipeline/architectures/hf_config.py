@@ -113,7 +113,9 @@ def pretrained_config_from_hf(hf: dict[str, Any], dtype: str) -> dict[str, Any]:
     config = _hf_config_object(hf, architecture)
     heads = int(config.num_attention_heads)
     head_dim = int(getattr(config, "head_dim", None) or int(config.hidden_size) // heads)
-    base, scaling = hf_rope(hf)
+    # From the config object, not the raw file: unset RoPE keys take the class's defaults (Mixtral's base 1e6,
+    # SmolLM3's 2e6) and transformers 5 has already merged top-level keys into rope_parameters.
+    base, scaling = hf_rope(config.to_dict())
     pretrained: dict[str, Any] = {
         "architecture": architecture,
         "dtype": dtype,

@@ -135,8 +135,11 @@ def runtime_weights(
         tensor = groups[0] if len(groups) == 1 else torch.stack(groups)
         if part.fold is not None:
             tensor = part.fold(tensor.float())
+        # A folded norm scale stays fp32 (HF computes Gemma's 1 + w in fp32; bf16 would round it) and is
+        # read into the compute dtype at load, like every norm.
+        if part.fold is None or tensor.dim() != 1:
+            tensor = tensor.to(dtype)
         # A tied lm_head is written as its own copy: safetensors refuses tensors that share memory.
-        tensor = tensor.to(dtype)
         out[runtime] = tensor.clone() if used.intersection(sources) else tensor.contiguous()
         used.update(sources)
     unused = sorted(k for k in tensors if k not in used and not k.endswith(IGNORED_SUFFIXES))

@@ -140,9 +140,3 @@ def layer_cos_sin(config: ModelConfig, max_positions: int) -> list[torch.Tensor]
         else:
             kinds.append("global")
     return [table(kind) for kind in kinds]
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """GPT-NeoX RoPE: x [T, heads, D]; cos/sin [T, 1, D/2]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
