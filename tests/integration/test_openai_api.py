@@ -165,7 +165,24 @@ def test_errors_are_openai_errors_and_the_server_stays_healthy(front: Background
     assert bad_json.status_code == 400 and bad_json.json()["error"]["code"] == "invalid_json"
     unknown = httpx.get(f"{front.url}/v1/nothing", headers=headers)
     assert unknown.status_code == 404 and "error" in unknown.json()
-    assert api.completions.create(model=model, prompt="still", max_tokens=2).usage.completion_tokens == 2
+    deep = httpx.post(f"{front.url}/v1/completions", content=b"[" * 100_000, headers=headers)
+    assert deep.status_code == 400 and deep.json()["error"]["code"] == "invalid_json"
+    # a lone surrogate, which JSON can carry as an escape, in a prompt, a message and a stop string
+    for field, body in (
+        ("prompt", b'{"model": "%s", "prompt": "a\\ud800b"}'),
+        ("messages", b'{"model": "%s", "messages": [{"role": "user", "content": "\\ud800"}]}'),
+        ("stop", b'{"model": "%s", "prompt": "hi", "stop": "\\udfff"}'),
+    ):
+        route = "chat/completions" if field == "messages" else "completions"
+        reply = httpx.post(f"{front.url}/v1/{route}", content=body % model.encode(), headers=headers)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == field, reply.text
+    with pytest.raises(openai.BadRequestError) as err:
+        api.completions.create(model=model, prompt="hi", stream_options={"include_usage": True})
+    assert err.value.body["param"] == "stream_options"
+    nulls = api.completions.create(
+        model=model, prompt="still", max_tokens=2, extra_body={"n": None, "stream": None}
+    )
+    assert nulls.usage is not None and nulls.usage.completion_tokens == 2
 
 
 def test_a_streaming_client_that_leaves_frees_the_kv_blocks(

@@ -106,10 +106,13 @@ class BackgroundFrontEnd:
 
     def __init__(self, options: OpenAIServerOptions) -> None:
         self.options = options
-        self.loop = asyncio.new_event_loop()
         info = load_model_info(options.model_repository, options.served_model_name)
+        self.loop = asyncio.new_event_loop()
+        # A short shutdown_timeout: stopping the server must not wait out open streams (aiohttp's 60 s).
         self.runner = web.AppRunner(
-            make_app(info, options.triton_grpc, options.api_key), handler_cancellation=True
+            make_app(info, options.triton_grpc, options.api_key),
+            handler_cancellation=True,
+            shutdown_timeout=2.0,
         )
         self.thread = threading.Thread(target=self.loop.run_forever, name="openai-api", daemon=True)
 
@@ -135,9 +138,14 @@ class BackgroundFrontEnd:
 
     def close(self) -> None:
         if self.thread.is_alive():
-            asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(30)
+            try:
+                asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(30)
+            except TimeoutError:
+                log.warning("the OpenAI API did not stop within 30 s; leaving its thread behind")
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(10)
+        if not self.thread.is_alive():
+            self.loop.close()
 
     def __enter__(self) -> BackgroundFrontEnd:
         return self.start()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pipeline.serving.openai.errors import APIError, bad_request
 from pipeline.serving.openai.model_info import ModelInfo
-from pipeline.serving.openai.schemas import Message
+from pipeline.serving.openai.schemas import Message, check_utf8
 
 
 def chat_prompt(info: ModelInfo, messages: list[Message]) -> str:
@@ -13,6 +13,8 @@ def chat_prompt(info: ModelInfo, messages: list[Message]) -> str:
     if not getattr(tokenizer, "chat_template", None):
         raise bad_request("messages", "this model's tokenizer has no chat template: use /v1/completions")
     turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+    for turn in turns:
+        check_utf8("messages", turn["content"])
     text = str(tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True))
     # The BLS encodes text_input with the tokenizer's special tokens; a template that writes BOS itself
     # would get a second one, so leave BOS to the encoder.
@@ -32,6 +34,7 @@ def count_prompt_tokens(info: ModelInfo, text: str, param: str) -> int:
     """Tokens in `text` as the BLS encodes it; 413 beyond the engine's max_input_len."""
     if not text:
         raise bad_request(param, f"{param}: the prompt is empty")
+    check_utf8(param, text)
     count = len(info.encoder.tokenizer.encode(text, add_special_tokens=info.encoder.add_special_tokens))
     if count > info.max_input_len:
         raise APIError(

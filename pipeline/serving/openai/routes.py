@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -39,6 +40,8 @@ async def _body(request: web.Request) -> Any:
         return json.loads(await request.read())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise bad_request(None, f"the request body is not valid JSON: {err}", code="invalid_json") from None
+    except RecursionError:
+        raise bad_request(None, "the request body nests too deeply", code="invalid_json") from None
 
 
 def _bls_inputs(req: CompletionRequest | ChatRequest, prompt: str, max_tokens: int, info: ModelInfo) -> dict:
@@ -68,7 +71,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     info = request.app[INFO]
     _check_model(info, req.model)
     prompt = req.prompt_text()
-    prompt_tokens = count_prompt_tokens(info, prompt, "prompt")
+    # Tokenizing off the event loop: a long prompt must not stall the other streams.
+    prompt_tokens = await asyncio.to_thread(count_prompt_tokens, info, prompt, "prompt")
     max_tokens = completion_budget(info, prompt_tokens, req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS)
     body = _bls_inputs(req, prompt, max_tokens, info)
     return await _answer(request, req, Shape.new(False, info.name), body, prompt_tokens)
@@ -78,8 +82,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = parse(ChatRequest, await _body(request))
     info = request.app[INFO]
     _check_model(info, req.model)
-    prompt = chat_prompt(info, req.messages)
-    prompt_tokens = count_prompt_tokens(info, prompt, "messages")
+    prompt = await asyncio.to_thread(chat_prompt, info, req.messages)
+    prompt_tokens = await asyncio.to_thread(count_prompt_tokens, info, prompt, "messages")
     max_tokens = completion_budget(info, prompt_tokens, req.token_limit(), None)
     body = _bls_inputs(req, prompt, max_tokens, info)
     return await _answer(request, req, Shape.new(True, info.name), body, prompt_tokens)

@@ -12,6 +12,17 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pipeline.serving.openai.errors import APIError, bad_request, not_supported
 
 
+def check_utf8(param: str, text: str) -> None:
+    """400 for text that is not valid Unicode (a lone surrogate sent as a JSON escape), which the tokenizer
+    and the BLS's UTF-8 tensors would otherwise fail on as a server error."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise bad_request(
+            param, f"{param}: not valid Unicode text ({err.reason} at position {err.start})"
+        ) from None
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -32,8 +43,8 @@ class _Sampling(_Strict):
     stop: str | list[str] | None = None
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    n: int = Field(default=1, ge=1)
-    stream: bool = False
+    n: int | None = Field(default=1, ge=1)  # null as OpenAI allows: one choice
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored
     logit_bias: dict[str, Any] | None = None
@@ -49,11 +60,15 @@ class _Sampling(_Strict):
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        for stop in stops:
+            check_utf8("stop", stop)
         return [s for s in stops if s]
 
     def unsupported(self) -> None:
         """Refuse what is parsed but not implemented, naming the field."""
-        if self.n != 1:
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options", "stream_options is only allowed with stream: true")
+        if self.n not in (None, 1):
             raise bad_request("n", f"n={self.n}: this server returns one choice per request (n=1 only)")
         for name, (off, later) in self.OFF.items():
             if getattr(self, name) not in off:
