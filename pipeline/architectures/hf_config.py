@@ -13,7 +13,7 @@ from typing import Any
 
 from pipeline.architectures import SUPPORTED_ARCHITECTURES
 from pipeline.errors import UnsupportedModelError
-from pipeline.runtime.engine_config import ROPE_TYPES, hf_rope, rope_type
+from pipeline.runtime.model_config import ROPE_TYPES, hf_rope, rope_type
 
 # The HF model_type of each architecture (config.json's own `model_type` wins when present).
 MODEL_TYPES: dict[str, str] = {

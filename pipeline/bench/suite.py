@@ -226,10 +226,10 @@ def finish(
 class OursSpec:
     """Which llmpipe deployment to measure: an endpoint URL, or a build config served or loaded here."""
 
-    endpoint: str | None  # a running Triton (host:port, grpc://, http://)
+    endpoint: str | None  # a running Triton (host:port, grpc://, http://), or OpenAI API (http://h:p/v1)
     cfg: Any  # pipeline.config.build_config.BuildConfig when a config was given
     in_process: bool
-    protocol: str  # grpc | http, for a server started here
+    protocol: str  # grpc | http, for a server started here; openai: the endpoint is an OpenAI API
     model_name: str  # ensemble | tensorrt_llm
     min_tokens_equal_max: bool
     precision: str | None
@@ -309,6 +309,16 @@ def run_llmpipe(
             finally:
                 engine.close()
         return results
+    if spec.protocol == "openai":
+        from pipeline.bench.clients.openai import OpenAITarget
+
+        if spec.endpoint is None:
+            raise ConfigError("--protocol openai needs the API's URL (a running `llmpipe serve`)")
+        api = OpenAITarget(spec.endpoint, spec.min_tokens_equal_max, name=f"{label}-openai")
+        try:
+            return run_target(api, requests, warmup, plan, {**extra, "path": "openai"})
+        finally:
+            api.close()
     if spec.endpoint is not None:
         client = triton_target(
             spec.endpoint, spec.model_name, spec.min_tokens_equal_max, name=f"{label}-triton"

@@ -16,7 +16,8 @@ from pipeline.errors import ConfigError, MissingArtifactError, ServingError
 if TYPE_CHECKING:
     from pipeline.bench.peers import Peer
 
-_URL = re.compile(r"^([a-z]+://)?[\w.-]+:\d+/?$")
+_URL = re.compile(r"^([a-z]+://)?[\w.-]+:\d+(/v1)?/?$")
+_OPENAI_URL = re.compile(r"/v1/?$")
 
 
 @click.command("bench", context_settings=CONTEXT)
@@ -28,10 +29,13 @@ _URL = re.compile(r"^([a-z]+://)?[\w.-]+:\d+/?$")
 )
 @click.option(
     "--protocol",
-    type=click.Choice(["grpc", "http"]),
+    type=click.Choice(["grpc", "http", "openai"]),
     default="grpc",
     show_default=True,
-    help="How to talk to the Triton server started for CONFIG (a URL's scheme decides for a URL).",
+    help="How to talk to the Triton server started for CONFIG (a URL's scheme decides for a URL). openai: "
+    "stream /v1/completions (chat workloads: /v1/chat/completions) from the OpenAI-compatible API of a "
+    "running `llmpipe serve` (CONFIG: its serving.host and serving.openai_port; a http://HOST:PORT/v1 URL "
+    "picks it too); needs --no-min-tokens-equal-max unless that API takes a min_tokens extension.",
 )
 @click.option(
     "--model",
@@ -183,7 +187,8 @@ def bench(
 
     CONFIG|URL is a build config (a tritonserver is started on its model repository for the run, or with
     --in-process its engine is loaded here) or a running Triton endpoint: host:port or grpc://host:port
-    (gRPC streaming), http://host:port (HTTP server-sent events, /v2/models/ensemble/generate_stream).
+    (gRPC streaming), http://host:port (HTTP server-sent events, /v2/models/ensemble/generate_stream), or
+    an OpenAI-compatible API: http://host:port/v1 (or --protocol openai).
     Writes results.json, results.csv and plots (throughput and TTFT/ITL percentiles vs concurrency, latency
     CDF) to --out, and prints the table plus the ratios the run measured side by side (llmpipe against
     the --compare peers, prompt lookup against none in a --speculation sweep).
@@ -194,6 +199,7 @@ def bench(
       llmpipe bench build_configs/smollm2-135m.yaml --concurrency 16 --dataset builtin --output-mean 128
       llmpipe bench localhost:8001 --hf-model build/smollm2-135m/hf --rate 0.5,1,2 --requests 40
       llmpipe bench http://127.0.0.1:8000 --hf-model build/smollm2-135m/hf --concurrency 4
+      llmpipe bench http://127.0.0.1:9000/v1 --hf-model build/smollm2-135m/hf --no-min-tokens-equal-max
       llmpipe bench build_configs/smollm2-135m.yaml --in-process --concurrency 1,16 --compare hf,llamacpp,ct2
       llmpipe bench build_configs/smollm2-135m.yaml --in-process --dataset code-edit --concurrency 1 \\
           --speculation none,ngram --set speculative.max_draft_len=6
@@ -215,6 +221,12 @@ def bench(
     is_url = _URL.match(target) is not None and not Path(target).is_file()
     if is_url and in_process:
         raise click.UsageError("--in-process needs a CONFIG (the engine to load), not a URL")
+    if is_url and _OPENAI_URL.search(target):
+        protocol = "openai"
+    if protocol == "openai" and in_process:
+        raise click.UsageError("--protocol openai measures a running server: drop --in-process")
+    if protocol == "openai" and model_name != "ensemble":
+        raise click.UsageError("the OpenAI API takes text: --model tensorrt_llm does not apply to it")
     modes = tuple(m.strip() for m in (speculation or "").split(",") if m.strip())
     if modes and not in_process:
         raise click.UsageError(
@@ -240,8 +252,11 @@ def bench(
     )
     if precision is None and cfg is not None:
         precision = builds.PRECISION_OF_MODE.get(cfg.quantization.mode)
+    endpoint = target if is_url else None
+    if protocol == "openai" and cfg is not None:
+        endpoint = _openai_endpoint(cfg)
     ours = suite.OursSpec(
-        endpoint=target if is_url else None,
+        endpoint=endpoint,
         cfg=cfg,
         in_process=in_process,
         protocol=protocol,
@@ -280,6 +295,18 @@ def bench(
     click.echo(text)
     click.echo(f"\nwrote {', '.join(str(f) for f in files)}", err=True)
     _raise_if_failed(results)
+
+
+def _openai_endpoint(cfg: Any) -> str:
+    """The OpenAI API that `llmpipe serve CONFIG` runs: serving.host and serving.openai_port."""
+    port = cfg.serving.openai_port
+    if port is None:
+        raise ConfigError(
+            f"{cfg.name} runs no OpenAI API (serving.openai_port is null)",
+            hint="pass the API's URL instead, e.g. http://127.0.0.1:9000/v1",
+        )
+    host = "127.0.0.1" if cfg.serving.host in ("0.0.0.0", "::", "") else cfg.serving.host
+    return f"http://{host}:{port}/v1"
 
 
 def _workload_name(dataset: str | None) -> str:

@@ -134,6 +134,11 @@ def test_max_tokens_stop_strings_and_seeds(front: BackgroundFrontEnd, model: str
         for seed in (7, 7, 8)
     ]  # fmt: skip
     assert sampled[0] == sampled[1]
+    # min_tokens (an extension): the end id is banned until then, so the whole budget is generated
+    forced = client(front).completions.create(
+        model=model, prompt=PROMPT, max_tokens=40, temperature=0, extra_body={"min_tokens": 40}
+    )
+    assert forced.usage.completion_tokens == 40 and forced.choices[0].finish_reason == "length"
 
 
 def test_errors_are_openai_errors_and_the_server_stays_healthy(front: BackgroundFrontEnd, model: str) -> None:

@@ -19,8 +19,9 @@ from pipeline.architectures.hf_config import pretrained_config_from_hf
 from pipeline.architectures.weight_map import checkpoint_plan
 from pipeline.config.build_config import BuildConfig
 from pipeline.errors import ConfigError, IntegrityError, UnsupportedModelError
-from pipeline.runtime.engine_config import TOKENIZER_DIR, WEIGHTS_FILE, model_config_from_dict, rope_type
+from pipeline.runtime.engine_config import TOKENIZER_DIR, WEIGHTS_FILE, model_config_from_dict
 from pipeline.runtime.model.loader import expected_dense_shapes
+from pipeline.runtime.model_config import rope_type
 from pipeline.sources.local import inspect_local_checkpoint
 from pipeline.sources.tokenizer import copy_tokenizer
 

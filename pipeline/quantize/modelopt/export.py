@@ -18,7 +18,7 @@ from pipeline.backends.trtllm.architectures import MODEL_CLASS_FOR_ARCHITECTURE
 from pipeline.errors import UnsupportedModelError
 from pipeline.quantize.modelopt.formats import CONVERT_MODES
 from pipeline.quantize.modelopt.library import LOG_NAME, ModelOptLog
-from pipeline.runtime.engine_config import hf_rope
+from pipeline.runtime.model_config import hf_rope
 from pipeline.sources.tokenizer import copy_tokenizer
 
 # HF architecture -> ModelOpt's decoder type: what its get_model_type gives (the first MODEL_NAME_TO_TYPE key

@@ -13,8 +13,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from pipeline.runtime.engine_config import ModelConfig
 from pipeline.runtime.kernels import ops as kernels
+from pipeline.runtime.model_config import ModelConfig
 from pipeline.runtime.worker.attn_metadata import AttentionMetadata
 from pipeline.runtime.worker.kv_cache import KVCache
 from pipeline.runtime.worker.kv_quant import dequantize_kv, quantize_kv

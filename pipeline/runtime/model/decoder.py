@@ -8,13 +8,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pipeline.runtime.engine_config import ModelConfig
 from pipeline.runtime.model.attention import Attention
 from pipeline.runtime.model.fused_decoder import FusedDecoder
 from pipeline.runtime.model.greedy_head import GreedyLMHead
 from pipeline.runtime.model.layers import ResidualRMSNorm, activation
 from pipeline.runtime.model.moe import moe_forward
 from pipeline.runtime.model.weights import LayerWeights, ModelWeights
+from pipeline.runtime.model_config import ModelConfig
 from pipeline.runtime.worker.attn_metadata import AttentionMetadata
 
 

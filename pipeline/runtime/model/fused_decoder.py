@@ -13,11 +13,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from pipeline.runtime.engine_config import ModelConfig
 from pipeline.runtime.kernels import ops as kernels
 from pipeline.runtime.model.attention import Attention
 from pipeline.runtime.model.layers import DenseLinear, Linear
 from pipeline.runtime.model.weights import LayerWeights, ModelWeights, MoEWeights
+from pipeline.runtime.model_config import ModelConfig
 from pipeline.runtime.quant.linear import MAX_KERNEL_ROWS, QuantLinear
 from pipeline.runtime.worker.attn_metadata import AttentionMetadata
 

@@ -12,9 +12,10 @@ import torch
 from safetensors import safe_open
 
 from pipeline.errors import IntegrityError, MissingArtifactError, UnsupportedModelError
-from pipeline.runtime.engine_config import EngineConfig, ModelConfig, QuantConfig
+from pipeline.runtime.engine_config import EngineConfig
 from pipeline.runtime.model.layers import DenseLinear, Linear
 from pipeline.runtime.model.weights import LayerWeights, ModelWeights, MoEWeights
+from pipeline.runtime.model_config import ModelConfig, QuantConfig
 
 # The norms of a layer in each norm_layout (runtime names).
 NORMS: dict[str, tuple[str, ...]] = {

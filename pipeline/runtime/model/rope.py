@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from pipeline.errors import UnsupportedModelError
-from pipeline.runtime.engine_config import ROPE_TYPES, ModelConfig, rope_type
+from pipeline.runtime.model_config import ROPE_TYPES, ModelConfig, rope_type
 
 
 def rotary_inv_freq(

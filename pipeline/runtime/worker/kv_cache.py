@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from pipeline.errors import ConfigError
-from pipeline.runtime.engine_config import ModelConfig
+from pipeline.runtime.model_config import ModelConfig
 from pipeline.runtime.worker.kv_quant import SCALE_BYTES
 
 

@@ -56,6 +56,7 @@ def _bls_inputs(req: CompletionRequest | ChatRequest, prompt: str, max_tokens: i
         "temperature": req.temperature,
         "top_p": req.top_p,
         "top_k": req.top_k,
+        "min_tokens": req.min_tokens,
         "seed": req.seed,
         "presence_penalty": req.presence_penalty,
         "frequency_penalty": req.frequency_penalty,

@@ -39,6 +39,8 @@ class _Sampling(_Strict):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0)  # an extension: OpenAI has no top_k
+    # an extension (vLLM's and trtllm-serve's name): no end before this many tokens; benchmarks force lengths
+    min_tokens: int | None = Field(default=None, ge=0)
     seed: int | None = Field(default=None, ge=0, lt=2**64)
     stop: str | list[str] | None = None
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)

@@ -22,12 +22,13 @@ import torch.nn.functional as F
 
 from pipeline.backends.trtllm.inspect.onnx_check import check_onnx_file
 from pipeline.errors import UnsupportedModelError
-from pipeline.runtime.engine_config import ModelConfig, load_engine_config
+from pipeline.runtime.engine_config import load_engine_config
 from pipeline.runtime.model.attention import apply_rope
 from pipeline.runtime.model.layers import DenseLinear, Linear
 from pipeline.runtime.model.loader import load_model_weights
 from pipeline.runtime.model.rope import rotary_cos_sin
 from pipeline.runtime.model.weights import ModelWeights
+from pipeline.runtime.model_config import ModelConfig
 
 OPSET = 17
 INPUT_NAMES = ["input_ids", "positions", "past_keys", "past_values"]
