@@ -325,12 +325,18 @@ def _openai_front_end(
     """The OpenAI-compatible API over the served repository's tensorrt_llm_bls model (inflight_batcher_llm
     repositories), once Triton is ready; None when turned off or the repository has no BLS model."""
     repo = server.options.model_repository
+    if port is not None and not (repo / "tensorrt_llm_bls").is_dir():
+        click.echo("note: no OpenAI-compatible API: the repository has no tensorrt_llm_bls model", err=True)
     if port is None or not (repo / "tensorrt_llm_bls").is_dir():
         yield None
         return
     from pipeline.serving.openai import BackgroundFrontEnd, OpenAIServerOptions
 
     host = server.options.host
+    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        click.echo(
+            f"warning: the OpenAI-compatible API listens on {host} without an API key (--api-key)", err=True
+        )
     options = OpenAIServerOptions(repo, server.grpc_url, host, port or free_port(host), api_key or None)
     with BackgroundFrontEnd(options) as front:
         yield front
