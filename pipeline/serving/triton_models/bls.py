@@ -12,6 +12,8 @@ its rounds' tokens stream as they come, and a cancelled client ends it between r
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import json
 import threading
 import time
@@ -39,6 +41,19 @@ from pipeline.serving.triton_models.preprocessing import preprocess
 from pipeline.serving.triton_models.tokenization import PromptEncoder
 
 CANCEL_CHECK_PERIOD_S = 0.05
+# Two bugs of the Python-backend stub of Triton 2.51 (python_backend r24.10) hit decoupled BLS calls made
+# from several threads at once, as this model does (one thread per request):
+# - ResponseIterator.__next__ takes back the GIL while holding the iterator's mutex, and exec(decoupled=True)
+#   waits for the stub's iterator-map mutex while holding the GIL: with the stub's response thread in
+#   between, the three deadlock and every BLS and ensemble request hangs. Hence _BLS_LOCK: exec and every
+#   next() of a decoupled BLS call run one thread at a time (released between responses, so requests still
+#   interleave).
+# - The stub's cleanup thread erases a finished iterator from its map without the GIL; when that drops the
+#   last reference, the responses' numpy arrays are freed without the GIL and the stub dies (SIGSEGV in
+#   libpython's _PyObject_Malloc). Hence finished iterators are kept referenced here for _RETIRED_KEEP_S, so
+#   Python, with the GIL, drops the last reference. (python_backend fixed this later: #390, Dec 2024.)
+_BLS_LOCK = threading.Lock()
+_RETIRED_KEEP_S = 10.0
 # What an engine call asks for: the tokens and log-probs, and SPEC_OUTPUTS when the client set
 # return_perf_metrics.
 _TEXT_OUTPUTS = ("output_ids", "sequence_length", *LOG_PROB_OUTPUTS)
@@ -243,6 +258,7 @@ class BlsModel:
             add_special_tokens=params.boolean("add_special_tokens", True),
             max_input_len=params.optional_integer("max_input_len", minimum=1),
         )
+        self._retired: collections.deque[tuple[float, Any]] = collections.deque()  # see _BLS_LOCK
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
@@ -300,8 +316,28 @@ class BlsModel:
         )
 
     def _responses(self, request: Any) -> Iterable[Any]:
-        result = request.exec(decoupled=self.engine_decoupled)
-        return result if self.engine_decoupled else [result]
+        if not self.engine_decoupled:
+            return [request.exec(decoupled=False)]
+        with _BLS_LOCK:  # see _BLS_LOCK
+            return self._iterate(request.exec(decoupled=True))
+
+    def _iterate(self, responses: Any) -> Iterable[Any]:
+        """A decoupled BLS call's responses, each next() under _BLS_LOCK; the iterator is retired after."""
+        iterator = iter(responses)
+        try:
+            while True:
+                with _BLS_LOCK:
+                    try:
+                        response = next(iterator)
+                    except StopIteration:
+                        return
+                yield response
+        finally:  # no lock here: this may run in the garbage collector; deque operations are atomic
+            now = time.monotonic()
+            self._retired.append((now, responses))
+            with contextlib.suppress(IndexError):
+                while now - self._retired[0][0] > _RETIRED_KEEP_S:
+                    self._retired.popleft()
 
     def _generate(self, plan: BlsPlan, sender: Any) -> None:
         request_id = f"bls-{uuid.uuid4().hex}"
@@ -396,4 +432,5 @@ class BlsModel:
             pass
 
     def finalize(self) -> None:
+        self._retired.clear()
         self.encoder = None  # type: ignore[assignment]

@@ -17,6 +17,7 @@ sender.
 from __future__ import annotations
 
 import abc
+import gc
 import itertools
 import json
 import queue
@@ -318,6 +319,11 @@ class EngineModel(abc.ABC):
         self.engine.shutdown()  # unfinished requests end with "abort" outputs, answered below
         self._outputs.put(_SHUTDOWN)
         self._responder.join(timeout=10)
+        # Free the custom metrics now, while the stub is whole: left to the stub's destructor (Triton 2.51),
+        # each Metric's cleanup finds no shared memory and the stub dies with SIGSEGV on every shutdown.
+        if not self._responder.is_alive():
+            self.metrics = None  # type: ignore[assignment]
+            gc.collect()
 
 
 class TorchEngineModel(EngineModel):
