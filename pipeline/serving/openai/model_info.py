@@ -3,6 +3,7 @@ read from the files Triton serves (so they cannot disagree with what the BLS mod
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,13 @@ class ModelInfo:
     max_input_len: int
     max_seq_len: int
     decoupled: bool  # the BLS streams (else each request is one response)
+
+    @functools.cached_property
+    def encoder_adds_bos(self) -> bool:
+        """Whether the BLS's encoding starts a text with BOS (asked once, not per request)."""
+        tokenizer = self.encoder.tokenizer
+        ids = tokenizer.encode("a", add_special_tokens=True)
+        return bool(ids) and ids[0] == tokenizer.bos_token_id
 
 
 def _build_config_name(repo: Path) -> str | None:

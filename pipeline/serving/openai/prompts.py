@@ -19,15 +19,9 @@ def chat_prompt(info: ModelInfo, messages: list[Message]) -> str:
     # The BLS encodes text_input with the tokenizer's special tokens; a template that writes BOS itself
     # would get a second one, so leave BOS to the encoder.
     bos = getattr(tokenizer, "bos_token", None)
-    if bos and info.encoder.add_special_tokens and text.startswith(bos) and _encoder_adds_bos(info):
+    if bos and info.encoder.add_special_tokens and text.startswith(bos) and info.encoder_adds_bos:
         text = text[len(bos) :]
     return text
-
-
-def _encoder_adds_bos(info: ModelInfo) -> bool:
-    tokenizer = info.encoder.tokenizer
-    ids = tokenizer.encode("a", add_special_tokens=True)
-    return bool(ids) and ids[0] == tokenizer.bos_token_id
 
 
 def count_prompt_tokens(info: ModelInfo, text: str, param: str) -> int:
