@@ -1,5 +1,7 @@
 """Soak the served tiny model with mixed traffic (unary, streaming, cancelled streams, bad requests) and check
 zero wrong answers, zero leaked KV blocks, RSS growth of tritonserver + stubs <= 10%, server healthy at the end.
+`burst()` is the stress half: 48 ensemble streams and 200 /generate requests at once (tests/integration/
+test_stress.py repeats it).
 
     python scripts/soak.py --minutes 20        # `make soak`; tests/integration/test_soak.py runs ~20 s of it
 """
@@ -133,6 +135,46 @@ def soak(
         "rss_after_mb": rss["after"] / 2**20,
         "rss_growth": rss["after"] / rss["before"] - 1,
         "healthy": server.is_ready(),
+        "failures": failures[:10],
+    }
+
+
+def burst(
+    server: TritonServer, expected: dict[str, str], streams: int = 48, unary: int = 200
+) -> dict[str, Any]:
+    """One burst of the mix that used to crash a Python stub: `streams` gRPC ensemble streams and `unary`
+    /generate requests alternating between the ensemble and tensorrt_llm_bls, all at once."""
+    outcomes: list[str] = []
+    lock = threading.Lock()
+
+    def request(n: int) -> None:
+        prompt = PROMPTS[n % len(PROMPTS)]
+        try:
+            if n < streams:
+                with GrpcClient(server.grpc_url) as client:
+                    text = client.generate(prompt, GenerationOptions(max_tokens=MAX_TOKENS, stream=True)).text
+            else:
+                model = ("ensemble", "tensorrt_llm_bls")[n % 2]
+                client = HttpClient(server.http_url, model)
+                text = client.generate(prompt, GenerationOptions(max_tokens=MAX_TOKENS)).text
+            outcome = "ok" if text == expected[prompt] else f"wrong: {text!r} != {expected[prompt]!r}"
+        except Exception as err:  # an error where an answer was due counts as wrong
+            outcome = f"wrong: {type(err).__name__}: {err}"
+        with lock:
+            outcomes.append(outcome)
+
+    started = time.monotonic()
+    threads = [threading.Thread(target=request, args=(n,), daemon=True) for n in range(streams + unary)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=600)
+    failures = [o for o in outcomes if o != "ok"]
+    return {
+        "requests": streams + unary,
+        "answered": len(outcomes),
+        "wrong": len(failures) + (streams + unary - len(outcomes)),
+        "seconds": time.monotonic() - started,
         "failures": failures[:10],
     }
 

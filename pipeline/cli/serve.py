@@ -18,6 +18,7 @@ from pipeline.cli.options import CONTEXT, overrides_option
 from pipeline.errors import BackendUnavailableError, MissingArtifactError, ServingError
 from pipeline.serving.server.command import ServerOptions, find_tritonserver, server_command
 from pipeline.serving.server.launcher import TritonServer, failure_lines, free_port
+from pipeline.serving.server.ports import check_ports_free
 from pipeline.serving.server.trtllm_launch import CONTAINER_TRITONSERVER, TrtllmLaunch, launch_for
 
 if TYPE_CHECKING:
@@ -198,6 +199,14 @@ def _preflight(build: _TrtllmBuild) -> None:
     envvar="LLMPIPE_API_KEY",
     help="Make the OpenAI-compatible API require `Authorization: Bearer KEY` [$LLMPIPE_API_KEY].",
 )
+@click.option(
+    "--max-restarts",
+    type=click.IntRange(min=0),
+    default=3,
+    show_default=True,
+    help="Restart tritonserver this many times when it crashes or a model's Python stub dies while "
+    "serving; 0 exits non-zero at the first crash instead.",
+)
 @click.option("--verbose", "-v", is_flag=True, help="Print tritonserver's log while it runs.")
 @click.option(
     "--dry-run",
@@ -217,6 +226,7 @@ def serve(
     openai_port: int | None,
     no_openai: bool,
     api_key: str | None,
+    max_restarts: int,
     verbose: bool,
     dry_run: bool,
 ) -> None:
@@ -224,9 +234,11 @@ def serve(
 
     CONFIG serves build/<name>/model_repo with the config's serving.* ports; MODEL_REPO serves that
     folder (ports 8000/8001/8002 unless given). Uses the tritonserver on PATH, else the one bundled in
-    nvidia-pytriton. Binds 127.0.0.1 unless --host says otherwise; a model that fails to load stops the
-    server with its log lines, and so does a model's Python stub that dies while serving (exit 1: Triton
-    itself would go on reporting ready).
+    nvidia-pytriton. Binds 127.0.0.1 unless --host says otherwise; ports another process holds are refused
+    before anything starts. A model that fails to load stops the server with its log lines. A crash while
+    serving (tritonserver exits, or a model's Python stub dies, which Triton itself would go on reporting
+    ready) kills the server at once, so in-flight requests fail now rather than hang, and restarts it on the
+    same ports, up to --max-restarts times; then serve exits 1 with the crash's log lines.
 
     Beside Triton, an OpenAI-compatible API (/v1/models, /v1/completions, /v1/chat/completions) answers on
     serving.openai_port (9000) over the repository's tensorrt_llm_bls model, unless --no-openai.
@@ -275,29 +287,45 @@ def serve(
         return
     if trtllm_build is not None:
         _preflight(trtllm_build)
+    front_port = None if no_openai else _either(openai_port, configured_openai_port)
+    if front_port:
+        check_ports_free(options.host, {"OpenAI": front_port})
     click.echo(f"starting tritonserver on {options.model_repository} ...", err=True)
     started = time.monotonic()
-    with (
-        server,
-        _openai_front_end(
-            server, None if no_openai else _either(openai_port, configured_openai_port), api_key
-        ) as front,
-    ):
+    with server, _openai_front_end(server, front_port, api_key) as front:
         click.echo(_ready_banner(server, time.monotonic() - started, front), err=True)
+        _supervise(server, max_restarts)
+    click.echo("tritonserver stopped.", err=True)
+
+
+def _supervise(server: TritonServer, max_restarts: int) -> None:
+    """Serve until stopped on request; restart the server after a crash, at most `max_restarts` times."""
+    for restart in range(max_restarts + 1):
         code = server.serve_forever()
-        if server.health_failure is not None:
-            logged = failure_lines(server.health_failure_log, limit=20)
+        if server.stopped_on_request and server.health_failure is None:
+            return
+        crash = _crash_report(server, code)
+        if restart == max_restarts:
             raise ServingError(
-                f"{server.health_failure}, so llmpipe stopped tritonserver. Its log while serving:\n  "
-                + ("\n  ".join(logged) if logged else "(nothing since it became ready)"),
-                hint="Find what killed it (the kernel log shows the out-of-memory killer), then serve again.",
+                crash,
+                hint="A stub dies of a crash or of the out-of-memory killer (`dmesg` tells which); "
+                "--max-restarts sets how often serve starts the server again.",
             )
-        if not server.stopped_on_request:
-            lines = "\n  ".join(server.log_lines()[-20:])
-            raise ServingError(
-                f"tritonserver exited with code {code} while serving:\n  {lines}",
-                hint="Rerun with --verbose (and --log-verbose 1) to see the whole log.",
-            )
+        click.echo(f"error: {crash}\nrestarting tritonserver ({restart + 1}/{max_restarts}) ...", err=True)
+        started = time.monotonic()
+        server.restart()
+        click.echo(f"ready again in {time.monotonic() - started:.1f}s", err=True)
+
+
+def _crash_report(server: TritonServer, code: int | None) -> str:
+    """What went wrong, with what tritonserver logged while serving (not its shutdown after)."""
+    if server.health_failure is not None:
+        logged = failure_lines(server.health_failure_log, limit=20)
+        return f"{server.health_failure}, so llmpipe stopped tritonserver. Its log while serving:\n  " + (
+            "\n  ".join(logged) if logged else "(nothing since it became ready)"
+        )
+    lines = "\n  ".join(server.log_lines(since_ready=True)[-20:]) or "(nothing since it became ready)"
+    return f"tritonserver exited with code {code} while serving:\n  {lines}"
     click.echo("tritonserver stopped.", err=True)
 
 

@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +25,7 @@ from pipeline.errors import IntegrityError
 from pipeline.runtime.core.sampling_params import SamplingParams
 from pipeline.runtime.engine.async_engine import EngineThread
 from pipeline.runtime.engine.llm_engine import LLMEngine
+from pipeline.serving.client import GenerationOptions, GrpcClient
 from pipeline.serving.server.health import python_stubs
 from tests.serving_helpers import require_tritonserver
 
@@ -180,9 +182,9 @@ def served_repo(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
 class _Serve:
     """`llmpipe serve REPO` on free ports, its output collected line by line as it comes."""
 
-    def __init__(self, repo: Path, cwd: Path) -> None:
+    def __init__(self, repo: Path, cwd: Path, *args: str) -> None:
         ports = ("--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", "--openai-port", "0")
-        self.proc = _llmpipe("serve", str(repo), *ports, cwd=cwd)
+        self.proc = _llmpipe("serve", str(repo), *ports, *args, cwd=cwd)
         self.lines: list[str] = []
         self._pump = threading.Thread(target=self._read, daemon=True)
         self._pump.start()
@@ -201,9 +203,9 @@ class _Serve:
         self._pump.join(timeout=10)
         return code
 
-    def wait_ready(self, timeout_s: float = 240) -> None:
+    def wait_ready(self, timeout_s: float = 240, banner: str = r"^ready in ") -> None:
         deadline = time.monotonic() + timeout_s
-        while not re.search(r"^ready in ", self.output, re.MULTILINE):
+        while not re.search(banner, self.output, re.MULTILINE):
             assert self.proc.poll() is None and time.monotonic() < deadline, self.output
             time.sleep(0.2)
 
@@ -218,10 +220,17 @@ class _Serve:
                 return int(stat.parent.name)
         raise AssertionError(f"no tritonserver under pid {self.proc.pid}")
 
+    def url(self, name: str) -> str:
+        found = re.search(rf"^  {name} +(\S+)", self.output, re.MULTILINE)
+        assert found, self.output
+        return found[1]
+
 
 @pytest.mark.triton
-def test_a_killed_python_stub_makes_serve_stop_and_exit_nonzero(served_repo: Path, tmp_path: Path) -> None:
-    serve = _Serve(served_repo, tmp_path)
+def test_a_killed_python_stub_without_restarts_makes_serve_exit_nonzero(
+    served_repo: Path, tmp_path: Path
+) -> None:
+    serve = _Serve(served_repo, tmp_path, "--max-restarts", "0")
     try:
         serve.wait_ready()
         server = serve.server_pid()
@@ -276,3 +285,76 @@ def test_a_tampered_engine_in_the_served_repository_fails_serve_naming_the_file(
     assert "tritonserver exited with code" in out and "before it was ready" in out, out
     assert re.search(r"model 'tensorrt_llm'.*rank0\.safetensors does not match its sha256", out), out
     assert "ready in" not in out
+
+
+def _stream_until_cut(grpc_url: str, ended: dict[int, tuple[float, str]], index: int) -> None:
+    """One long streamed request; records when it ended and how (finished, or the error it got)."""
+    options = GenerationOptions(max_tokens=100, min_tokens=100, top_k=1)
+    try:
+        with GrpcClient(grpc_url, timeout_s=120) as client:
+            for _ in client.stream("a b c", options):
+                pass
+        ended[index] = (time.monotonic(), "finished")
+    except Exception as exc:  # noqa: BLE001 - what a client sees when its server dies is the point
+        ended[index] = (time.monotonic(), f"error: {exc}")
+
+
+@pytest.mark.triton
+def test_a_dead_stub_fails_in_flight_requests_at_once_and_serve_restarts_the_server(
+    served_repo: Path, tmp_path: Path
+) -> None:
+    serve = _Serve(served_repo, tmp_path)
+    try:
+        serve.wait_ready()
+        grpc_url = serve.url("gRPC")
+        engine_stub = next(p for p, m in python_stubs(serve.server_pid()).items() if m == "tensorrt_llm")
+        ended: dict[int, tuple[float, str]] = {}
+        # twice the engine's batch: the rest wait in its queue, in flight all the same
+        clients = [threading.Thread(target=_stream_until_cut, args=(grpc_url, ended, i)) for i in range(8)]
+        for client in clients:
+            client.start()
+        time.sleep(0.5)
+        os.kill(engine_stub, signal.SIGKILL)
+        killed = time.monotonic()
+        for client in clients:
+            client.join(timeout=60)
+        cut = {i: (at - killed, how) for i, (at, how) in ended.items() if how != "finished"}
+        assert len(ended) == 8 and cut, ended
+        # the watch polls every 0.25 s and kills the server: no request waits for its own timeout
+        assert max(delay for delay, _ in cut.values()) < 3.0, cut
+        serve.wait_ready(timeout_s=240, banner=r"^ready again in ")
+        out = serve.output
+        assert f"stub of model 'tensorrt_llm' (pid {engine_stub}) died while serving" in out, out
+        assert "restarting tritonserver (1/3)" in out, out
+        # the same ports serve again, through Triton and the OpenAI-compatible API
+        with GrpcClient(grpc_url) as client:
+            done = client.generate("a b c", GenerationOptions(max_tokens=8, top_k=1))
+        assert done.text and len(done.chunks) >= 1
+        with urllib.request.urlopen(f"{serve.url('OpenAI')}/models", timeout=10) as reply:
+            assert json.load(reply)["data"][0]["id"] == "tiny-faults"
+    finally:
+        serve.proc.send_signal(signal.SIGINT)
+        try:
+            serve.wait(timeout_s=60)
+        finally:
+            if serve.proc.poll() is None:
+                serve.proc.kill()
+    assert serve.proc.returncode == 0, serve.output
+
+
+@pytest.mark.triton
+def test_serve_refuses_a_port_another_process_holds_before_starting_anything(
+    served_repo: Path, tmp_path: Path
+) -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        serve = _Serve(served_repo, tmp_path, "--grpc-port", str(port))  # the later flag wins
+        started = time.monotonic()
+        code = serve.wait(timeout_s=120)
+        took = time.monotonic() - started
+    out = serve.output
+    assert code != 0, out
+    assert f"port {port} (gRPC) on 127.0.0.1 is in use by pid {os.getpid()}" in out, out
+    assert "ready in" not in out and took < 60, out

@@ -58,7 +58,9 @@ def test_a_dead_or_zombie_stub_is_reported_by_model_and_pid(tmp_path: Path) -> N
 
 def test_unready_is_tolerated_for_the_grace_period_only(tmp_path: Path) -> None:
     proc, now, ready = _fake_proc(tmp_path), [0.0], [True]
-    watch = HealthWatch(SERVER, lambda: ready[0], unready_grace_s=10.0, proc=proc, clock=lambda: now[0])
+    watch = HealthWatch(
+        SERVER, lambda: ready[0], unready_grace_s=10.0, ready_every_s=0.0, proc=proc, clock=lambda: now[0]
+    )
     ready[0] = False
     assert watch.check() is None
     now[0] = 9.0
@@ -70,3 +72,18 @@ def test_unready_is_tolerated_for_the_grace_period_only(tmp_path: Path) -> None:
     now[0] = 21.0
     problem = watch.check()
     assert problem is not None and "has not been ready for 11s" in problem
+
+
+def test_readiness_is_asked_at_most_every_period_while_stubs_are_checked_every_time(tmp_path: Path) -> None:
+    proc, now, asked = _fake_proc(tmp_path), [0.0], []
+    watch = HealthWatch(
+        SERVER, lambda: asked.append(now[0]) is None, ready_every_s=2.0, proc=proc, clock=lambda: now[0]
+    )
+    for step in range(9):
+        now[0] = step * 0.5
+        assert watch.check() is None
+    assert asked == [0.0, 2.0, 4.0]
+    shutil.rmtree(proc / "101")
+    now[0] = 4.25  # between two readiness probes: the dead stub is still caught at once
+    problem = watch.check()
+    assert problem is not None and "stub of model 'tensorrt_llm' (pid 101) died" in problem

@@ -63,29 +63,45 @@ class HealthWatch:
         pgid: int,
         is_ready: Callable[[], bool],
         unready_grace_s: float = 10.0,
+        ready_every_s: float = 2.0,
         proc: Path = Path("/proc"),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.pgid = pgid
         self.is_ready = is_ready
         self.unready_grace_s = unready_grace_s
+        # Stubs are looked up in /proc on every check (cheap, so a dead one is caught within a poll);
+        # readiness is an HTTP request, asked at most this often.
+        self.ready_every_s = ready_every_s
         self.proc = proc
         self.clock = clock
         self.stubs = python_stubs(pgid, proc)  # the stubs of the loaded models: each must stay alive
         self._unready_since: float | None = None
+        self._ready_asked_at: float | None = None
+
+    def _alive(self, pid: int) -> bool:
+        # Only the known stubs' own /proc entries are read: a full scan on every poll would cost a share
+        # of a core on a busy host. A reused pid lands in another process group.
+        try:
+            fields = (self.proc / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            return False
+        return fields[0] != "Z" and int(fields[2]) == self.pgid
 
     def check(self) -> str | None:
-        alive = python_stubs(self.pgid, self.proc)
         for pid, model in sorted(self.stubs.items()):
-            if pid not in alive:
+            if not self._alive(pid):
                 return (
                     f"the Python backend stub of model '{model}' (pid {pid}) died while serving; tritonserver "
                     "neither restarts nor reports a dead stub, and every request to the model would fail"
                 )
+        now = self.clock()
+        if self._ready_asked_at is not None and now - self._ready_asked_at < self.ready_every_s:
+            return None
+        self._ready_asked_at = now
         if self.is_ready():
             self._unready_since = None
             return None
-        now = self.clock()
         if self._unready_since is None:
             self._unready_since = now
         elif now - self._unready_since >= self.unready_grace_s:

@@ -43,6 +43,7 @@ from pipeline.serving.server.command import (
     server_env,
 )
 from pipeline.serving.server.health import HealthWatch
+from pipeline.serving.server.ports import check_ports_free, describe_process, listening_pids
 from pipeline.serving.server.trtllm_launch import MPIRUN
 
 SHM_DIR = Path("/dev/shm")
@@ -159,6 +160,11 @@ class TritonServer:
                 f"a TensorRT-LLM repository is started under {MPIRUN}, which is not on PATH",
                 hint="Serve it inside NVIDIA's tritonserver trtllm container (`make image`).",
             )
+        opts = self.options
+        check_ports_free(
+            opts.host or "0.0.0.0",
+            {"HTTP": opts.http_port, "gRPC": opts.grpc_port, "metrics": opts.metrics_port},
+        )
         self.run_dir = Path(tempfile.mkdtemp(prefix="llmpipe-triton-"))
         backend_dir = prepare_backend_dir(install, self.run_dir)
         command = server_command(install.binary, self.options, backend_dir, self.shm_prefix)
@@ -214,12 +220,31 @@ class TritonServer:
                     hint="Fix the model named above, then serve again (LLMPIPE_DEBUG=1 and "
                     "--log-verbose=1 show more).",
                 )
-            if self.is_ready():
+            if self.is_ready() and self._owns_http_port():
                 return
             time.sleep(0.2)
         raise ServingError(
             self._explain(f"tritonserver was not ready after {timeout_s:.0f}s"),
             hint="A model may still be loading (raise --ready-timeout) or be stuck: see the log.",
+        )
+
+    def _owns_http_port(self) -> bool:
+        """Whether the server answering on the HTTP port is this one (a process of its group): another
+        server that took the port after the start's check must not make this one look ready. By session:
+        under mpirun the listener is a child of the launcher, which led the session."""
+        assert self.process is not None
+        holders = listening_pids(self.options.http_port)
+        if not holders:
+            return True  # sockets this user cannot see: nothing to tell them apart by
+        for pid in holders:
+            with contextlib.suppress(OSError):
+                if os.getsid(pid) == self.process.pid:
+                    return True
+        raise ServingError(
+            f"port {self.options.http_port} answers, but from "
+            + ", ".join(describe_process(pid) for pid in sorted(holders))
+            + ", not from the tritonserver llmpipe started",
+            hint="Another server took the port while this one started: stop it, or serve on other ports.",
         )
 
     def _explain(self, headline: str) -> str:
@@ -272,6 +297,15 @@ class TritonServer:
             shutil.rmtree(self.run_dir, ignore_errors=True)
         return code
 
+    def restart(self) -> None:
+        """Start a fresh server on the same ports and repository, after this one died or was stopped
+        unhealthy (what is left of it is reaped and cleaned first)."""
+        self.stop()
+        self._stop_requested = False
+        self.health_failure = None
+        self.health_failure_log = []
+        self.start()
+
     def leftover_shm(self) -> list[Path]:
         return sorted(SHM_DIR.glob(f"{self.shm_prefix}*")) if SHM_DIR.is_dir() else []
 
@@ -283,11 +317,13 @@ class TritonServer:
                 path.unlink()
         return removed
 
-    def serve_forever(self, health_period_s: float | None = 2.0) -> int:
+    def serve_forever(self, health_period_s: float | None = 0.25) -> int:
         """Block until the server exits; SIGINT/SIGTERM stop it (a second one kills it). The exit code.
 
         Every `health_period_s` the server's health is checked (health.py); a server that can no longer
-        serve (a dead Python stub, not ready for long) is stopped and `health_failure` says why.
+        serve (a dead Python stub, not ready for long) is killed at once, so that its clients get a
+        transport error now instead of waiting out their requests on a model that will never answer, and
+        `health_failure` says why.
         """
         assert self.process is not None
         watch = HealthWatch(self.process.pid, self.is_ready) if health_period_s else None
@@ -310,6 +346,8 @@ class TritonServer:
                     if problem is not None:
                         self.health_failure = problem
                         self.health_failure_log = self.log_lines(since_ready=True)
+                        with contextlib.suppress(ProcessLookupError):
+                            os.killpg(self.process.pid, signal.SIGKILL)
                         self.stop()
                         code = self.process.returncode
                         break

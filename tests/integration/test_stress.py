@@ -1,0 +1,59 @@
+"""Stress against a REAL tritonserver: ten bursts of 48 gRPC ensemble streams plus 200 concurrent /generate
+requests alternating ensemble and tensorrt_llm_bls (the mix that used to make a Python stub segfault), with
+zero wrong answers, every stub the server started still alive after each burst, and no KV block left in use."""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from pipeline.serving.server.health import HealthWatch
+from pipeline.serving.server.launcher import TritonServer
+from tests.serving_helpers import serve_tiny
+
+pytestmark = [pytest.mark.triton, pytest.mark.slow]
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "soak.py"
+BURSTS = 10
+
+
+def _soak_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("llmpipe_soak", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def roomy_server(
+    tiny_llama_dir: Path, tiny_engine_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[TritonServer]:
+    """The tiny model with a queue that admits a whole burst: every request must be answered, and right."""
+    repo = tmp_path_factory.mktemp("stress") / "model_repo"
+    with serve_tiny(tiny_llama_dir, tiny_engine_dir, repo, serving={"max_queue_size": 512}) as server:
+        yield server
+
+
+def test_ten_mixed_bursts_crash_no_stub_and_answer_every_request_right(
+    roomy_server: TritonServer, tiny_engine_dir: Path
+) -> None:
+    tiny_server = roomy_server
+    soak = _soak_module()
+    expected = soak.expected_texts(tiny_engine_dir)
+    assert tiny_server.process is not None
+    watch = HealthWatch(tiny_server.process.pid, tiny_server.is_ready, ready_every_s=0.0)
+    assert len(watch.stubs) >= 4, watch.stubs
+    for n in range(BURSTS):
+        report = soak.burst(tiny_server, expected)
+        print(f"burst {n + 1}: {report}")
+        assert report["wrong"] == 0, report
+        assert watch.check() is None and tiny_server.process.poll() is None
+        settle = time.monotonic() + 20
+        while soak.kv_used(tiny_server) != 0 and time.monotonic() < settle:
+            time.sleep(0.1)
+        assert soak.kv_used(tiny_server) == 0
