@@ -320,6 +320,9 @@ def test_a_dead_stub_fails_in_flight_requests_at_once_and_serve_restarts_the_ser
             client.join(timeout=60)
         cut = {i: (at - killed, how) for i, (at, how) in ended.items() if how != "finished"}
         assert len(ended) == 8 and cut, ended
+        print(
+            f"in-flight requests cut {len(cut)}/8, seconds after the kill: {sorted(d for d, _ in cut.values())}"
+        )
         # the watch polls every 0.25 s and kills the server: no request waits for its own timeout
         assert max(delay for delay, _ in cut.values()) < 3.0, cut
         serve.wait_ready(timeout_s=240, banner=r"^ready again in ")
