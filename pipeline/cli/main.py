@@ -11,6 +11,7 @@ from pipeline import __version__
 from pipeline.cli.bench import bench
 from pipeline.cli.build import STAGE_COMMANDS, build
 from pipeline.cli.config import config
+from pipeline.cli.deploy import deploy
 from pipeline.cli.doctor import doctor
 from pipeline.cli.generate import generate
 from pipeline.cli.inspect import inspect
@@ -54,7 +55,7 @@ def cli() -> None:
     """
 
 
-for _command in (build, *STAGE_COMMANDS, config, serve, generate, validate, bench, doctor, inspect):
+for _command in (build, *STAGE_COMMANDS, config, serve, generate, validate, bench, doctor, inspect, deploy):
     cli.add_command(_command)
 cli.add_command(openai_server)
 
