@@ -40,9 +40,12 @@ def labels(target: Target, component: str) -> dict[str, str]:
 
 def _serve_command(target: Target) -> list[str]:
     s = target.cfg.serving
+    # --max-restarts 0: a crash ends the container, so the kubelet restarts it and counts it (CrashLoopBackOff
+    # shows a model that keeps dying) instead of serve hiding restarts inside a pod that stays Running.
     return [
         "llmpipe", "serve", target.repo_in_pod, "--host", "0.0.0.0", "--http-port", str(s.http_port),
         "--grpc-port", str(s.grpc_port), "--metrics-port", str(s.metrics_port), "--no-openai",
+        "--max-restarts", "0",
     ]  # fmt: skip
 
 
