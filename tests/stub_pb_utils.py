@@ -99,9 +99,11 @@ class InferenceRequest:
         inputs: Iterable[Tensor] = (),
         request_id: str = "",
         requested_output_names: Iterable[str] = (),
+        parameters: str = "{}",
         **_: Any,
     ) -> None:
         self.model_name = model_name
+        self._parameters = parameters  # JSON, as Triton hands them over
         self.inputs = {t.name(): t for t in inputs}
         self._request_id = request_id
         self.requested_output_names = list(requested_output_names)
@@ -109,6 +111,9 @@ class InferenceRequest:
 
     def request_id(self) -> str:
         return self._request_id
+
+    def parameters(self) -> str:
+        return self._parameters
 
     def get_response_sender(self) -> ResponseSender:
         return self.sender

@@ -24,6 +24,13 @@ from pipeline.stages.runner import run_stage
     "instead of the in-process engine: text metrics only; the report goes to build/<name>/validation-endpoint/.",
 )
 @click.option(
+    "--openai-endpoint",
+    metavar="URL",
+    help="Run lm-evaluation-harness (validation.lm_eval's tasks) against the OpenAI API at URL "
+    "(http://HOST:9000/v1) and against lm-eval's hf model on the build's checkpoint; fail when a score differs "
+    "beyond lm-eval's stderr. Needs `make eval-deps`; the report goes to build/<name>/validation-lm-eval/.",
+)
+@click.option(
     "--plot",
     is_flag=True,
     help="Also write a bar chart of the gated metrics, one bar per CONFIG, to "
@@ -34,7 +41,12 @@ from pipeline.stages.runner import run_stage
     "--force", is_flag=True, help="Measure again even when this engine and config were already validated."
 )
 def validate(
-    configs: tuple[str, ...], endpoint: str | None, plot: bool, overrides: tuple[str, ...], force: bool
+    configs: tuple[str, ...],
+    endpoint: str | None,
+    openai_endpoint: str | None,
+    plot: bool,
+    overrides: tuple[str, ...],
+    force: bool,
 ) -> None:
     """Compare each build with the float32 Hugging Face reference of its checkpoint; exit 1 on a regression.
 
@@ -53,9 +65,16 @@ def validate(
       llmpipe validate build_configs/smollm2-135m.yaml build_configs/smollm2-135m-int8.yaml --plot
       llmpipe validate build_configs/smollm2-135m-int8.yaml --set validation.thresholds.max_ppl_delta_pct=1.5
       llmpipe validate build_configs/smollm2-135m.yaml --endpoint http://127.0.0.1:8000
+      llmpipe validate build_configs/smollm2-135m.yaml --openai-endpoint http://127.0.0.1:9000/v1
     """
-    if endpoint is not None and len(configs) > 1:
-        raise click.UsageError("--endpoint validates one deployment: give exactly one CONFIG with it")
+    if endpoint is not None and openai_endpoint is not None:
+        raise click.UsageError("--endpoint and --openai-endpoint gate different APIs: give one of them")
+    served = endpoint or openai_endpoint
+    if served is not None and len(configs) > 1:
+        raise click.UsageError(f"{served} is one deployment: give exactly one CONFIG with it")
+    if openai_endpoint is not None:
+        _lm_eval_gate(load_build_config(configs[0], overrides), openai_endpoint)
+        return
     from pipeline.validate.report import format_table, raise_for_failures
 
     _log_progress_to_stderr()
@@ -109,6 +128,20 @@ def _stage_report(cfg: BuildConfig, force: bool) -> tuple[dict[str, Any], str]:
             err=True,
         )
     return load_report(result), str(report_path(result))
+
+
+def _lm_eval_gate(cfg: BuildConfig, base_url: str) -> None:
+    from pipeline.stages.fetch import checkpoint_dir
+    from pipeline.validate.lm_eval_gate import REPORT_FILE, format_table, raise_for_failure, run_gate
+    from pipeline.validate.lm_eval_run import lm_eval_python
+
+    python = lm_eval_python(cfg.validation.lm_eval.venv)
+    checkpoint = checkpoint_dir(built_output(cfg, "fetch"))
+    out = resolve_workdir(cfg) / "validation-lm-eval"
+    click.echo(f"validate {cfg.name}: lm-eval on {base_url} and on hf ({checkpoint}) ...", err=True)
+    report = run_gate(cfg, python, base_url, checkpoint, out)
+    click.echo("\n".join(format_table(report) + [f"report: {out / REPORT_FILE}"]))
+    raise_for_failure(report, out / REPORT_FILE)
 
 
 def _endpoint_report(cfg: BuildConfig, endpoint: str) -> tuple[dict[str, Any], str]:

@@ -315,12 +315,61 @@ class ValidationThresholds(_Strict):
     )
 
 
+# lm-eval tasks shipped in pipeline/data/eval/lm_eval/ (one YAML each).
+SHIPPED_LM_EVAL_TASKS = ("llmpipe_qa", "llmpipe_choice")
+
+
+class LmEvalSection(_Strict):
+    """`llmpipe validate --openai-endpoint`: lm-evaluation-harness against the served OpenAI API and
+    against its own `hf` model on the build's checkpoint."""
+
+    chat_tasks: list[str] = Field(
+        ["llmpipe_qa"], description="Generation tasks run through local-chat-completions (chat template)."
+    )
+    completion_tasks: list[str] = Field(
+        ["llmpipe_choice"],
+        description="Log-likelihood tasks run through local-completions (echo + logprobs, token-id prompts).",
+    )
+    include_path: str | None = Field(
+        None, description="A folder of further task YAMLs; tasks not shipped with llmpipe need it."
+    )
+    limit: int | None = Field(None, ge=1, description="Documents per task; None = all.")
+    max_stderr: float = Field(
+        1.0,
+        gt=0,
+        description="Each score may differ from hf's by this many of lm-eval's stderrs (the larger).",
+    )
+    venv: str = Field(
+        ".cache/eval-venv",
+        description="Virtual environment with lm-eval (`make eval-deps`), relative to the current directory.",
+    )
+
+    @model_validator(mode="after")
+    def _check_tasks(self) -> LmEvalSection:
+        both = sorted(set(self.chat_tasks) & set(self.completion_tasks))
+        if both:
+            raise ValueError(
+                f"validation.lm_eval.chat_tasks and validation.lm_eval.completion_tasks both list {both}: "
+                "a task is either generated through chat or scored through completions"
+            )
+        unknown = [t for t in self.chat_tasks + self.completion_tasks if t not in SHIPPED_LM_EVAL_TASKS]
+        if unknown and self.include_path is None:
+            raise ValueError(
+                f"validation.lm_eval tasks {unknown} are not shipped with llmpipe "
+                f"({', '.join(SHIPPED_LM_EVAL_TASKS)}): set validation.lm_eval.include_path to their folder"
+            )
+        return self
+
+
 class ValidationSection(_Strict):
     dataset: str = Field("builtin", description="'builtin' eval set or a path to a JSONL file.")
     num_samples: int = Field(16, ge=1, description="Samples per metric.")
     max_new_tokens: int = Field(48, ge=1, description="Generated tokens per summary/answer.")
     thresholds: ValidationThresholds = Field(
         default_factory=ValidationThresholds, description="None = defaults for the quantization mode."
+    )
+    lm_eval: LmEvalSection = Field(
+        default_factory=LmEvalSection, description="lm-evaluation-harness gate of a served OpenAI API."
     )
 
 

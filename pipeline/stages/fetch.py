@@ -79,6 +79,10 @@ def produce(cfg: BuildConfig, inputs: dict[str, StageInput], out: Path) -> dict[
         facts["tool_packages"] = ["gguf"]
         root = out
     checkpoint = inspect_local_checkpoint(root, src.allow_pickle, src.trust_remote_code)
+    if src.allow_pickle:
+        from pipeline.sources.pickle_weights import check_pickle_weights
+
+        check_pickle_weights(root, checkpoint.weight_files)
     facts["architecture"] = checkpoint.architecture
     check_buildable(cfg, checkpoint.config)
     return facts

@@ -48,7 +48,8 @@ class _PoisonedRunner:
 
 
 def test_engine_error_on_one_request_fails_only_that_request(tiny_engine_dir: Path) -> None:
-    params = SamplingParams(max_tokens=12, temperature=0.0)
+    # log-probs asked: the per-request retry after the failed step must carry them through too
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=True)
     prompts = {f"ok{i}": [1, 20 + i, 30 + i] for i in range(4)} | {POISON: [1, 2, 3]}
     reference = LLMEngine.from_engine_dir(tiny_engine_dir)
     want = {
@@ -71,6 +72,8 @@ def test_engine_error_on_one_request_fails_only_that_request(tiny_engine_dir: Pa
     assert failed.finish_reason == "error" and "boom on the poisoned request" in (failed.error or "")
     got = {rid: [t for o in outs for t in o.new_token_ids] for rid, outs in outputs.items()}
     assert got == want
+    log_probs = {rid: [lp for o in outs for lp in o.new_logprobs] for rid, outs in outputs.items()}
+    assert all(len(log_probs[rid]) == len(got[rid]) for rid in got), log_probs
     assert all(outs[-1].finish_reason == "length" for outs in outputs.values())
 
 

@@ -209,3 +209,203 @@ def test_a_streaming_client_that_leaves_frees_the_kv_blocks(
     while used_blocks() > 0 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert used_blocks() == 0
+
+
+# --- log-probs and echo ---
+
+
+@pytest.fixture(scope="module")
+def scored(
+    tiny_engine_dir: Path, encoder: PromptEncoder, greedy: dict
+) -> dict[str, tuple[list[int], list[float]]]:
+    """'completion' / 'chat' -> the engine's greedy output ids and their log-probs."""
+    engine = LLMEngine.from_engine_dir(tiny_engine_dir)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, end_id=encoder.end_id, logprobs=True)
+    done = engine.generate([greedy[key][0] for key in ("completion", "chat")], params)
+    return {
+        key: (r.output_token_ids, r.output_logprobs)
+        for key, r in zip(("completion", "chat"), done, strict=True)
+    }
+
+
+@pytest.fixture(scope="module")
+def hf_log_softmax(tiny_llama_dir: Path) -> Any:
+    """ids -> Hugging Face's log-probs at every position ([len, vocab]; row i predicts token i + 1)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+
+    def run(ids: list[int]) -> Any:
+        with torch.inference_mode():
+            return torch.log_softmax(hf(torch.tensor([ids])).logits[0], -1).numpy()
+
+    return run
+
+
+LOGPROB_TOLERANCE = 1e-4
+
+
+def test_completion_logprobs_equal_the_engine(front: BackgroundFrontEnd, model: str, scored: dict) -> None:
+    ids, expected = scored["completion"]
+    api = client(front)
+    reply = api.completions.create(
+        model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, logprobs=3
+    )
+    lp = reply.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) == reply.usage.completion_tokens
+    assert max(abs(a - b) for a, b in zip(lp.token_logprobs, expected, strict=True)) < LOGPROB_TOLERANCE
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert len(top) == 3 and max(top.values()) == value and top[token] == value  # greedy: the best
+    assert lp.text_offset[0] == len(PROMPT) and lp.text_offset == sorted(lp.text_offset)
+    # streamed: the same tokens and values, spread over the chunks; no alternatives without logprobs > 0
+    stream = api.completions.create(
+        model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, logprobs=0, stream=True
+    )
+    chunks = [c.choices[0].logprobs for c in stream if c.choices and c.choices[0].logprobs]
+    assert [t for c in chunks for t in c.tokens] == lp.tokens
+    streamed = [v for c in chunks for v in c.token_logprobs]
+    assert max(abs(a - b) for a, b in zip(streamed, expected, strict=True)) < LOGPROB_TOLERANCE
+    assert all(top == {} for c in chunks for top in c.top_logprobs)
+
+
+def test_chat_logprobs_equal_the_engine(front: BackgroundFrontEnd, model: str, scored: dict) -> None:
+    ids, expected = scored["chat"]
+    api = client(front)
+    for stream in (False, True):
+        reply = api.chat.completions.create(
+            model=model, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0, logprobs=True, top_logprobs=2,
+            stream=stream,
+        )  # fmt: skip
+        if stream:
+            content = [
+                e for c in reply if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content
+            ]
+        else:
+            content = reply.choices[0].logprobs.content
+        assert len(content) == len(ids)
+        assert max(abs(e.logprob - v) for e, v in zip(content, expected, strict=True)) < LOGPROB_TOLERANCE
+        for entry in content:
+            assert [t.logprob for t in entry.top_logprobs] == sorted(
+                (t.logprob for t in entry.top_logprobs), reverse=True
+            )
+            assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob == entry.logprob
+            assert bytes(entry.bytes).decode("utf-8") == entry.token
+    plain = api.chat.completions.create(model=model, messages=CHAT, max_tokens=3, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_echo_scores_the_prompt_like_hf(
+    front: BackgroundFrontEnd, model: str, greedy: dict, encoder: PromptEncoder, hf_log_softmax: Any
+) -> None:
+    ids, text, _ = greedy["completion"]
+    reference = hf_log_softmax(ids)
+    expected = [float(reference[i - 1, t]) for i, t in enumerate(ids) if i]
+    api = client(front)
+    for prompt in (PROMPT, ids):
+        for max_tokens in (0, 1):
+            reply = api.completions.create(
+                model=model, prompt=prompt, echo=True, max_tokens=max_tokens, logprobs=1, temperature=0
+            )
+            choice = reply.choices[0]
+            lp = choice.logprobs
+            assert len(lp.tokens) == len(ids) + max_tokens and lp.token_logprobs[0] is None
+            got = lp.token_logprobs[1 : len(ids)]
+            assert max(abs(a - b) for a, b in zip(got, expected, strict=True)) < LOGPROB_TOLERANCE
+            assert reply.usage.prompt_tokens == len(ids) and reply.usage.completion_tokens == max_tokens
+            shown = PROMPT if isinstance(prompt, str) else encoder.tokenizer.decode(ids)
+            assert choice.text.startswith(shown) and (max_tokens or choice.text == shown)
+    # streamed: the prompt first, then the generated text
+    chunks = list(
+        api.completions.create(
+            model=model, prompt=PROMPT, echo=True, max_tokens=4, temperature=0, stream=True
+        )
+    )
+    generated = "".join(c.choices[0].text for c in chunks[1:] if c.choices)
+    assert chunks[0].choices[0].text == PROMPT and generated and text.startswith(generated)
+
+
+def test_lm_eval_loglikelihood_request(
+    front: BackgroundFrontEnd, model: str, encoder: PromptEncoder, hf_log_softmax: Any
+) -> None:
+    """The body lm-eval's local-completions sends for a loglikelihood request, parsed as it parses it."""
+    import httpx
+
+    context = encoder.tokenizer.encode("The capital of France is", add_special_tokens=False)
+    continuation = encoder.tokenizer.encode(" Paris", add_special_tokens=False)
+    tokens = context + continuation
+    body = {
+        "model": model,
+        "prompt": [tokens],
+        "temperature": 0,
+        "max_tokens": 1,
+        "logprobs": 1,
+        "seed": 1234,
+        "echo": True,
+    }
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    reply = httpx.post(f"{front.url}/v1/completions", json=body, headers=headers, timeout=60).json()
+    choice = reply["choices"][0]
+    ctxlen = len(context)
+    got = sum(choice["logprobs"]["token_logprobs"][ctxlen:-1])
+    reference = hf_log_softmax(tokens)
+    expected = sum(float(reference[i - 1, tokens[i]]) for i in range(ctxlen, len(tokens)))
+    assert abs(got - expected) < LOGPROB_TOLERANCE
+    tops = choice["logprobs"]["top_logprobs"][ctxlen:-1]
+    is_greedy = all(
+        v == max(top.values())
+        for v, top in zip(choice["logprobs"]["token_logprobs"][ctxlen:-1], tops, strict=True)
+    )
+    assert is_greedy == all(int(reference[i - 1].argmax()) == tokens[i] for i in range(ctxlen, len(tokens)))
+
+
+def test_logprobs_errors_name_the_field(front: BackgroundFrontEnd, model: str) -> None:
+    api = client(front)
+    cases = [
+        (
+            "top_logprobs",
+            lambda: api.chat.completions.create(model=model, messages=CHAT, logprobs=True, top_logprobs=21),
+        ),
+        ("top_logprobs", lambda: api.chat.completions.create(model=model, messages=CHAT, top_logprobs=2)),
+        ("logprobs", lambda: api.completions.create(model=model, prompt="hi", logprobs=21)),
+        ("max_tokens", lambda: api.completions.create(model=model, prompt="hi", max_tokens=0)),
+        ("prompt", lambda: api.completions.create(model=model, prompt=[10**9])),
+    ]
+    for param, call in cases:
+        with pytest.raises(openai.BadRequestError) as err:
+            call()
+        assert err.value.body["param"] == param, err.value.message
+
+
+@pytest.mark.parametrize("model_name", ["ensemble", "tensorrt_llm_bls"])
+def test_triton_returns_context_and_generation_logits(
+    tiny_server: TritonServer, greedy: dict, hf_log_softmax: Any, model_name: str
+) -> None:
+    """tensorrtllm_backend's return_context_logits / return_generation_logits through both client models."""
+    import json
+
+    import numpy as np
+
+    from tests.serving_helpers import post_generate
+
+    ids, _, _ = greedy["completion"]
+    body = {
+        "text_input": PROMPT, "max_tokens": 4, "top_k": 1, "exclude_input_in_output": True,
+        "return_log_probs": True, "return_context_logits": True, "return_generation_logits": True,
+    }  # fmt: skip
+    status, text = post_generate(tiny_server.http_url, model_name, body)
+    assert status == 200, text
+    reply = json.loads(text)
+    vocab = hf_log_softmax(ids).shape[1]
+    context = np.asarray(reply["context_logits"], dtype=np.float64).reshape(len(ids), vocab)
+    generation = np.asarray(reply["generation_logits"], dtype=np.float64).reshape(-1, vocab)
+
+    def log_softmax(rows: np.ndarray) -> np.ndarray:
+        shifted = rows - rows.max(-1, keepdims=True)
+        return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+    assert np.abs(log_softmax(context) - hf_log_softmax(ids)).max() < LOGPROB_TOLERANCE
+    assert generation.shape[0] == 4 == np.asarray(reply["output_log_probs"]).size
+    # greedy: each step's token is its logits' argmax, whose log-prob the engine reports
+    best = log_softmax(generation).max(-1)
+    assert np.allclose(best, np.asarray(reply["output_log_probs"]).reshape(-1), atol=LOGPROB_TOLERANCE)

@@ -62,10 +62,13 @@ def test_tensor_names_match_the_serving_code(repo: Path) -> None:
     engine = _config(repo, "tensorrt_llm")
     assert [i.name for i in engine.input] == list(io.ENGINE_INPUTS)
     assert [o.name for o in engine.output] == list(io.ENGINE_OUTPUTS)
-    for model, inputs in (("ensemble", io.CLIENT_INPUTS), ("tensorrt_llm_bls", io.BLS_INPUTS)):
+    for model, inputs, outputs in (
+        ("ensemble", io.CLIENT_INPUTS, io.CLIENT_OUTPUTS),
+        ("tensorrt_llm_bls", io.BLS_INPUTS, io.BLS_OUTPUTS),
+    ):
         config = _config(repo, model)
         assert tuple(i.name for i in config.input) == inputs
-        assert tuple(o.name for o in config.output) == io.CLIENT_OUTPUTS
+        assert tuple(o.name for o in config.output) == outputs
     assert set(client.request_json("x", client.GenerationOptions(stream=True))) <= set(io.CLIENT_INPUTS)
 
 

@@ -146,6 +146,14 @@ def test_log_probs_are_sent_only_when_asked() -> None:
     assert set(engine_outputs([7, 8], None, 0.0)) == {"output_ids", "sequence_length"}
 
 
+def test_logits_flags_reach_the_sampling_params_and_outputs() -> None:
+    parsed = _parse(return_context_logits=[True], return_generation_logits=[True])
+    assert parsed.params.context_logits and parsed.params.generation_logits
+    context, generation = np.ones((4, 10), np.float32), np.ones((2, 10), np.float32)
+    out = engine_outputs([7, 8], None, 0.0, context, generation)
+    assert out["context_logits"].shape == (1, 4, 10) and out["generation_logits"].shape == (1, 1, 2, 10)
+
+
 def test_upstream_v018_inputs_are_honoured_at_their_defaults() -> None:
     # What NVIDIA's clients send: beam_width 1, num_return_sequences 1, false return_* flags, the v0.18
     # names min_length and random_seed, an empty embedding bias, a decoder input.
@@ -163,8 +171,6 @@ def test_upstream_v018_inputs_are_honoured_at_their_defaults() -> None:
     [
         ({"beam_width": [4]}, "beam_width", "no beam search"),
         ({"num_return_sequences": [2]}, "num_return_sequences", "one sequence"),
-        ({"return_context_logits": [True]}, "return_context_logits", "does not return logits"),
-        ({"return_generation_logits": [True]}, "return_generation_logits", "does not return logits"),
         ({"embedding_bias": np.ones((1, 5), np.float32)}, "embedding_bias", "one per vocabulary id (2000)"),
         ({"min_length": [3], "min_tokens": [4]}, "min_length", "disagrees with min_tokens=4"),
     ],

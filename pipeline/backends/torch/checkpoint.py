@@ -35,7 +35,7 @@ def convert(cfg: BuildConfig, hf_dir: Path, out_dir: Path) -> dict[str, Any]:
     """Write the checkpoint for `cfg` from the HF folder `hf_dir` into `out_dir`; return facts about it."""
     started = time.perf_counter()
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
-    local = inspect_local_checkpoint(hf_dir, allow_pickle=cfg.source.allow_pickle)
+    local = inspect_local_checkpoint(hf_dir, cfg.source.allow_pickle, cfg.source.trust_remote_code)
     pretrained = pretrained_config_from_hf(local.config, resolve_dtype(cfg, local.config))
     check_rope_limits(cfg, pretrained)
     check_limits(cfg, pretrained)

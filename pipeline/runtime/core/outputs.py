@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pipeline.runtime.core.request import Request, RequestStats
 
@@ -45,6 +46,37 @@ class RunnerOutput:
     sampled_token_ids: list[list[int]]
     # same shape as sampled_token_ids when any request asked for logprobs, else None
     logprobs: list[list[float]] | None = None
+    # Logits a request asked for (SamplingParams.context_logits / generation_logits), None elsewhere and
+    # when no request asked. The arrays are float32 numpy [rows, vocab]: the scheduler only stores and
+    # forwards them.
+    context_logits: list[LogitsRows | None] | None = None
+    # one row per token in sampled_token_ids
+    generation_logits: list[Any | None] | None = None
+
+    @classmethod
+    def concat(cls, parts: list[RunnerOutput]) -> RunnerOutput:
+        """One output of several single-request outputs, in order (the engine's per-request retry step)."""
+
+        def joined(field: str, missing: Any) -> list[Any] | None:
+            values = [getattr(part, field) for part in parts]
+            if all(v is None for v in values):
+                return None
+            return [missing() if v is None else v[0] for v in values]
+
+        return cls(
+            sampled_token_ids=[part.sampled_token_ids[0] for part in parts],
+            logprobs=joined("logprobs", list),
+            context_logits=joined("context_logits", lambda: None),
+            generation_logits=joined("generation_logits", lambda: None),
+        )
+
+
+@dataclass
+class LogitsRows:
+    """The logits of prompt positions [start, start + len(rows)) of one request."""
+
+    start: int
+    rows: Any  # numpy float32 [num_rows, vocab]
 
 
 @dataclass
@@ -59,5 +91,10 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int = 0  # prompt tokens served from reused KV blocks
+    # SamplingParams.context_logits: the prompt's logits in position order, as chunks of [rows, vocab], on
+    # the output that brings the first token; else None
+    context_logits: list[Any] | None = None
+    # SamplingParams.generation_logits: [len(new_token_ids), vocab], else None
+    new_generation_logits: Any | None = None
     error: str | None = None
     stats: RequestStats | None = None  # set on the final output only

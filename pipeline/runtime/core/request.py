@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from pipeline.runtime.core.sampling_params import SamplingParams
 
@@ -62,6 +63,10 @@ class Request:
     # prompt + generated tokens; the tail may hold tokens whose KV is not yet computed
     token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    # sampling_params.context_logits: the prompt's logits rows so far, in position order (opaque float arrays
+    # [rows, vocab] made by the runner; passed on untouched)
+    context_logits: list[Any] = field(default_factory=list)
+    num_context_logits: int = 0  # prompt positions covered by context_logits
     # tokens whose K/V are written in the cache (prefix hits included)
     num_computed_tokens: int = 0
     # physical KV block ids, in order; written only by BlockManager
@@ -77,6 +82,14 @@ class Request:
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+
+    def add_context_logits(self, start: int, rows: Any) -> None:
+        """Keep a step's prompt logits (positions [start, start + len(rows))); positions already held
+        (recomputed after a preemption) are skipped."""
+        new_rows = rows[self.num_context_logits - start :]
+        if start <= self.num_context_logits and len(new_rows):
+            self.context_logits.append(new_rows)
+            self.num_context_logits += len(new_rows)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -5,10 +5,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+# Below this temperature sampling is greedy (vLLM's rule, its _SAMPLING_EPS:
+# vllm-project/vllm:vllm/sampling_params.py@db573835d3ef40643442e0817059e087355cf458).
+# NOTE: the sampler divides the logits by the temperature; at 1e-38 a logit of 4 already overflows fp32 to
+# inf and the softmax turns inf - inf into nan, so a tiny temperature sampled garbage, not the one-hot
+# distribution it approximates. Its limit is the argmax, which is what these requests get.
+MIN_SAMPLING_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """What to generate and how. Greedy when `temperature == 0` or `top_k == 1`."""
+    """What to generate and how. Greedy when `temperature < MIN_SAMPLING_TEMPERATURE` (0 included) or `top_k == 1`."""
 
     max_tokens: int = 16  # output tokens at most (TRT-LLM: request_output_len)
     min_tokens: int = 0  # end_id and stop sequences are ignored before this many outputs
@@ -25,6 +32,10 @@ class SamplingParams:
     bad_token_ids: tuple[tuple[int, ...], ...] = ()  # sequences that may never be completed
     seed: int | None = None  # per-request generator seed; None = engine's global generator
     logprobs: bool = False  # return the log-probability of every sampled token
+    # TensorRT-LLM's return_context_logits / return_generation_logits: the raw logits of every prompt
+    # position ([prompt, vocab]) / of every generated step ([output, vocab]), for scoring and top-k log-probs
+    context_logits: bool = False
+    generation_logits: bool = False
     # (token id, value) pairs added to the logits before anything else (TensorRT-LLM's embedding_bias)
     logit_bias: tuple[tuple[int, float], ...] = ()
     # Set by the speculative-decoding path only; opt-out for requests whose output must not use drafts.
@@ -62,7 +73,19 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < MIN_SAMPLING_TEMPERATURE or self.top_k == 1
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise ValueError naming the field if a token id is outside the model's vocabulary: the sampler
+        would index the logits with it (an IndexError mid-step), or a stop sequence could never match."""
+        limit = f"ids in [0, {vocab_size}) (the model's vocab_size)"
+        if self.end_id is not None:
+            _check(self.end_id < vocab_size, "end_id", self.end_id, limit)
+        for name, seqs in (("stop_token_ids", self.stop_token_ids), ("bad_token_ids", self.bad_token_ids)):
+            for seq in seqs:
+                _check(all(0 <= t < vocab_size for t in seq), name, seq, limit)
+        for token, value in self.logit_bias:
+            _check(token < vocab_size, "logit_bias", (token, value), limit)
 
     @property
     def adjusts_logits(self) -> bool:

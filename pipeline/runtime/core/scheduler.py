@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 from pipeline.config.limits import length_limit_errors
 from pipeline.config.vocab import SCHEDULER_POLICIES, SchedulerPolicy
@@ -216,7 +217,10 @@ class Scheduler:
         num_reserved = self._num_reserved_blocks() if no_evict else 0
         while self.waiting and budget > 0 and len(self.running) < cfg.max_batch_size:
             request = self.waiting[0]
-            num_behind = request.num_tokens - bm.get_num_cached_tokens(request)
+            # NOTE: a request that wants its context logits recomputes a cached prefix (its K/V are
+            # rewritten with the same values) rather than skip the positions whose logits it needs.
+            recompute = request.sampling_params.context_logits
+            num_behind = request.num_tokens - (0 if recompute else bm.get_num_cached_tokens(request))
             # A recomputed request can outgrow a whole step; it is chunked even with chunking off.
             can_chunk = cfg.enable_chunked_context or num_behind > cfg.max_num_tokens
             if num_behind > budget and not can_chunk:
@@ -227,7 +231,8 @@ class Scheduler:
             elif not bm.can_allocate(request):
                 break
             self.waiting.popleft()
-            request.num_computed_tokens = bm.allocate(request)
+            num_cached = bm.allocate(request)
+            request.num_computed_tokens = 0 if recompute else num_cached
             if no_evict:
                 num_reserved += bm.num_blocks_for(self._max_len(request)) - len(request.block_table)
             self._start_running(request)
@@ -271,7 +276,13 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue  # finished while the step ran (e.g. isolated runner error)
             logprobs = runner_output.logprobs[i] if runner_output.logprobs is not None else None
-            output = self._update_request(sched, sampled_token_ids[i], logprobs, now)
+            context = runner_output.context_logits[i] if runner_output.context_logits is not None else None
+            if context is not None:
+                request.add_context_logits(context.start, context.rows)
+            generation = runner_output.generation_logits
+            output = self._update_request(
+                sched, sampled_token_ids[i], logprobs, now, generation[i] if generation is not None else None
+            )
             if output is not None:
                 outputs.append(output)
         if any(o.finished for o in outputs):
@@ -279,7 +290,12 @@ class Scheduler:
         return outputs
 
     def _update_request(
-        self, sched: ScheduledRequest, sampled: list[int], logprobs: list[float] | None, now: float
+        self,
+        sched: ScheduledRequest,
+        sampled: list[int],
+        logprobs: list[float] | None,
+        now: float,
+        generation_logits: Any | None = None,
     ) -> RequestOutput | None:
         request = sched.request
         num_expected = (1, 1 + sched.num_draft_tokens) if sched.sample else (0, 0)
@@ -314,11 +330,14 @@ class Scheduler:
                 break
         if new_token_ids:
             self.metrics.record_tokens(request, len(new_token_ids), now)
+        logits = None if generation_logits is None else generation_logits[: len(new_token_ids)]
         if status is not None:
             # Tokens after the stop were dropped; at most the tokens kept have K/V worth publishing.
             request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
             self.block_manager.publish_computed_blocks(request)
-            return self._finish(request, status, new_token_ids, new_logprobs, None, remove=False)
+            return self._finish(
+                request, status, new_token_ids, new_logprobs, None, remove=False, logits=logits
+            )
         self.block_manager.publish_computed_blocks(request)
         if sched.num_draft_tokens:
             self.block_manager.trim(request, request.num_tokens)
@@ -326,7 +345,7 @@ class Scheduler:
             self.block_manager.release_out_of_window(request, self.config.attention_window)
         if not new_token_ids:
             return None
-        return self._output(request, new_token_ids, new_logprobs)
+        return self._output(request, new_token_ids, new_logprobs, logits)
 
     def _finish(
         self,
@@ -336,6 +355,7 @@ class Scheduler:
         new_logprobs: list[float],
         error: str | None,
         remove: bool = True,
+        logits: Any | None = None,
     ) -> RequestOutput:
         """Mark finished and free blocks; `remove=False` leaves dropping it from `running` to the caller."""
         if remove and request in self.running:
@@ -347,10 +367,21 @@ class Scheduler:
         del self._requests[request.request_id]
         self._finished_request_ids.append(request.request_id)
         self.metrics.record_finished(request, time.monotonic())
-        return self._output(request, new_token_ids, new_logprobs)
+        return self._output(request, new_token_ids, new_logprobs, logits)
 
-    def _output(self, request: Request, new_token_ids: list[int], new_logprobs: list[float]) -> RequestOutput:
+    def _output(
+        self,
+        request: Request,
+        new_token_ids: list[int],
+        new_logprobs: list[float],
+        generation_logits: Any | None = None,
+    ) -> RequestOutput:
         finished = request.status.finished
+        # The prompt's logits go out with the first output token, once every prompt position is computed;
+        # the request lets go of them then (num_context_logits still skips any recomputation).
+        context = None
+        if request.context_logits and new_token_ids and request.num_output_tokens == len(new_token_ids):
+            context, request.context_logits = request.context_logits, []
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=new_token_ids,
@@ -362,4 +393,6 @@ class Scheduler:
             num_cached_tokens=request.stats.num_cached_tokens,
             error=request.error,
             stats=request.stats if finished else None,
+            context_logits=context,
+            new_generation_logits=generation_logits,
         )

@@ -23,21 +23,32 @@ T = TypeVar("T")
 
 
 class LLMEngine:
-    def __init__(self, runner: Runner, config: SchedulerConfig, proposer: Proposer | None = None) -> None:
+    def __init__(
+        self,
+        runner: Runner,
+        config: SchedulerConfig,
+        proposer: Proposer | None = None,
+        vocab_size: int | None = None,
+    ) -> None:
         self.runner = runner
         self.config = config
         self.proposer = proposer  # speculative decoding: drafts for the running requests before each step
+        self.vocab_size = vocab_size  # token ids in sampling params are checked against it when known
         self.scheduler = Scheduler(config, runner.num_kv_blocks, runner.tokens_per_block)
         self._generate_ids = itertools.count()
 
     def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Raise ValueError if such a request can never run. Safe from any thread."""
         self.scheduler.check_request(num_prompt_tokens, params)
+        if self.vocab_size is not None:
+            params.check_vocab(self.vocab_size)
 
     def add_request(
         self, request_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams | None = None
     ) -> Request:
         request = Request(request_id, list(prompt_token_ids), sampling_params or SamplingParams())
+        if self.vocab_size is not None:
+            request.sampling_params.check_vocab(self.vocab_size)
         self.scheduler.add_request(request)
         return request
 
@@ -76,8 +87,7 @@ class LLMEngine:
             return self._fail(scheduled[0], exc)
         outputs: list[RequestOutput] = []
         ok: list[ScheduledRequest] = []
-        sampled: list[list[int]] = []
-        logprobs: list[list[float] | None] = []
+        results: list[RunnerOutput] = []
         for i, sched in enumerate(scheduled):
             # The first retry repeats the step's finished/preempted ids in case the failed call never read them.
             single = SchedulerOutput(
@@ -86,20 +96,13 @@ class LLMEngine:
                 finished_request_ids=scheduler_output.finished_request_ids if i == 0 else [],
             )
             try:
-                result = self.runner.execute(single)
+                results.append(self.runner.execute(single))
             except Exception as single_exc:
                 outputs += self._fail(sched, single_exc)
                 continue
             ok.append(sched)
-            sampled.append(result.sampled_token_ids[0])
-            logprobs.append(result.logprobs[0] if result.logprobs is not None else None)
         if ok:
-            merged_logprobs = (
-                [lp or [] for lp in logprobs] if any(lp is not None for lp in logprobs) else None
-            )
-            outputs += self.scheduler.update(
-                SchedulerOutput(scheduled=ok), RunnerOutput(sampled, merged_logprobs)
-            )
+            outputs += self.scheduler.update(SchedulerOutput(scheduled=ok), RunnerOutput.concat(results))
         return outputs
 
     def _fail(self, sched: ScheduledRequest, exc: Exception) -> list[RequestOutput]:
@@ -165,7 +168,8 @@ class LLMEngine:
         except ValueError as err:
             raise ConfigError(f"{engine_dir}: {err}") from None
         runner = ModelRunner(engine_config, args.runner)
-        return cls(runner, config, make_proposer(engine_config, runner, args.speculation))
+        proposer = make_proposer(engine_config, runner, args.speculation)
+        return cls(runner, config, proposer, vocab_size=engine_config.model.vocab_size)
 
 
 def _either(override: T | None, built: T) -> T:

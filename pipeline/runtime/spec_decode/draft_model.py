@@ -90,7 +90,10 @@ class DraftModelProposer:
         if shadow is None or shadow.target is not target:
             if shadow is not None:  # a new request reusing a finished one's id
                 self.block_manager.free(shadow.draft)
-            params = dataclasses.replace(target.sampling_params, logprobs=False)
+            # The draft only proposes tokens: none of the target's log-prob or logits outputs apply to it.
+            params = dataclasses.replace(
+                target.sampling_params, logprobs=False, context_logits=False, generation_logits=False
+            )
             draft = Request(target.request_id, list(target.prompt_token_ids), params, RequestStatus.RUNNING)
             shadow = self._shadows[target.request_id] = _Shadow(target, draft)
         draft, token_ids = shadow.draft, target.token_ids

@@ -11,10 +11,11 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from pipeline.errors import ConfigError
-from pipeline.runtime.core.outputs import RunnerOutput, SchedulerOutput
+from pipeline.runtime.core.outputs import LogitsRows, RunnerOutput, SchedulerOutput
 from pipeline.runtime.engine.engine_args import AttentionChoice, RunnerArgs
 from pipeline.runtime.engine_config import EngineConfig, load_engine_config
 from pipeline.runtime.kernels import ops as kernels
@@ -236,6 +237,7 @@ class ModelRunner:
     def _execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         chunks: list[SequenceChunk] = []
         input_ids: list[int] = []
+        offsets: list[int] = []  # where each request's tokens start in the flattened batch
         sample_positions: list[int] = []  # rows of the flattened batch whose next token is sampled
         sample_rows: list[SampleRow] = []
         for sched in scheduler_output.scheduled:
@@ -245,6 +247,7 @@ class ModelRunner:
             if drafts:
                 tokens = tokens + request.draft_token_ids[:drafts]
             chunks.append(SequenceChunk(start, len(tokens), request.block_table))
+            offsets.append(len(input_ids))
             input_ids.extend(tokens)
             if sched.sample:
                 end = len(input_ids)
@@ -253,17 +256,45 @@ class ModelRunner:
         if not chunks:
             return RunnerOutput(sampled_token_ids=[])
         hidden = self._forward(chunks, input_ids)
+        context = self._context_logits(scheduler_output, offsets, hidden)
         if not sample_rows:
-            return RunnerOutput(sampled_token_ids=[[] for _ in chunks])
+            return RunnerOutput(sampled_token_ids=[[] for _ in chunks], context_logits=context)
         rows = hidden.index_select(0, torch.tensor(sample_positions, dtype=torch.int64, device=self.device))
         if all(row.greedy_with_bans_only for row in sample_rows):
             greedy = self.model.greedy_tokens(rows)
             if greedy is not None:
-                return _split_per_request(
-                    scheduler_output, self._respect_bans(greedy, rows, sample_rows), None
+                output = _split_per_request(
+                    scheduler_output, self._respect_bans(greedy, rows, sample_rows), None, None
                 )
-        token_ids, logprobs = self.sampler(self.model.compute_logits(rows), sample_rows)
-        return _split_per_request(scheduler_output, token_ids, logprobs)
+                output.context_logits = context
+                return output
+        logits = self.model.compute_logits(rows)  # [num_sample_rows, vocab]
+        token_ids, logprobs = self.sampler(logits, sample_rows)
+        generation = (
+            [_numpy(logits[i]) if row.params.generation_logits else None for i, row in enumerate(sample_rows)]
+            if any(row.params.generation_logits for row in sample_rows)
+            else None
+        )
+        output = _split_per_request(scheduler_output, token_ids, logprobs, generation)
+        output.context_logits = context
+        return output
+
+    def _context_logits(
+        self, scheduler_output: SchedulerOutput, offsets: list[int], hidden: torch.Tensor
+    ) -> list[LogitsRows | None] | None:
+        """The logits of the prompt positions this step computes, for the requests that asked for them
+        (SamplingParams.context_logits); None when none did."""
+        found: list[LogitsRows | None] = []
+        for sched, offset in zip(scheduler_output.scheduled, offsets, strict=True):
+            request = sched.request
+            start = request.num_computed_tokens
+            end = min(start + sched.num_new_tokens, request.num_prompt_tokens)
+            if not request.sampling_params.context_logits or end <= start:
+                found.append(None)
+                continue
+            logits = self.model.compute_logits(hidden[offset : offset + end - start])  # [end - start, vocab]
+            found.append(LogitsRows(start, _numpy(logits)))
+        return found if any(f is not None for f in found) else None
 
     def _respect_bans(self, tokens: list[int], rows: torch.Tensor, sample_rows: list[SampleRow]) -> list[int]:
         """Unprocessed greedy `tokens` with the rows whose token is banned (e.g. the end id before
@@ -324,16 +355,26 @@ class ModelRunner:
         return self.model.forward(torch.tensor(input_ids, dtype=torch.int64, device=self.device), meta)
 
 
+def _numpy(logits: torch.Tensor) -> np.ndarray:
+    return logits.float().cpu().numpy()
+
+
 def _split_per_request(
-    scheduler_output: SchedulerOutput, token_ids: list[int], logprobs: list[float] | None
+    scheduler_output: SchedulerOutput,
+    token_ids: list[int],
+    logprobs: list[float] | None,
+    generation: list[np.ndarray | None] | None,
 ) -> RunnerOutput:
+    """Per-row results -> per-request ones: the accepted tokens and their log-probs and logits rows."""
     sampled: list[list[int]] = []
     sampled_logprobs: list[list[float]] = []
+    sampled_logits: list[np.ndarray | None] = []
     row = 0
     for sched in scheduler_output.scheduled:
         if not sched.sample:
             sampled.append([])
             sampled_logprobs.append([])
+            sampled_logits.append(None)
             continue
         count = sched.num_draft_tokens + 1
         accepted = accept_drafts(
@@ -342,7 +383,11 @@ def _split_per_request(
         sampled.append(accepted)
         if logprobs is not None:
             sampled_logprobs.append(logprobs[row : row + len(accepted)])
+        rows = [r for r in generation[row : row + len(accepted)] if r is not None] if generation else []
+        sampled_logits.append(np.stack(rows) if rows else None)  # [accepted, vocab]
         row += count
     return RunnerOutput(
-        sampled_token_ids=sampled, logprobs=sampled_logprobs if logprobs is not None else None
+        sampled_token_ids=sampled,
+        logprobs=sampled_logprobs if logprobs is not None else None,
+        generation_logits=sampled_logits if generation is not None else None,
     )

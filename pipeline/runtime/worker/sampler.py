@@ -45,9 +45,10 @@ class SampleRow:
 
     @property
     def greedy_with_bans_only(self) -> bool:
-        """Greedy whose only logits processing is banning tokens (bad words, min_tokens), no log-probs: its
-        token is the unprocessed argmax unless that token is banned."""
-        return self.params.greedy and not self.params.logprobs and not self.params.adjusts_logits
+        """Greedy whose only logits processing is banning tokens (bad words, min_tokens), no log-probs or
+        logits wanted: its token is the unprocessed argmax unless that token is banned."""
+        p = self.params
+        return p.greedy and not p.logprobs and not p.generation_logits and not p.adjusts_logits
 
     def banned_tokens(self) -> set[int]:
         """The tokens this row may not take (HF's order: bad words, then min_tokens' end id and stop ends)."""

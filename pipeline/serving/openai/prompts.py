@@ -1,10 +1,15 @@
-"""Prompt text as the BLS will see it, and its token count (usage.prompt_tokens, the 413 check)."""
+"""Prompt text as the BLS will see it, and its token ids (usage.prompt_tokens, echo, the 413 check)."""
 
 from __future__ import annotations
 
 from pipeline.serving.openai.errors import APIError, bad_request
 from pipeline.serving.openai.model_info import ModelInfo
 from pipeline.serving.openai.schemas import Message, check_utf8
+from pipeline.serving.triton_models.tokenization import (
+    ChatTemplateLimitError,
+    render_chat,
+    special_token_text,
+)
 
 
 def chat_prompt(info: ModelInfo, messages: list[Message]) -> str:
@@ -13,9 +18,21 @@ def chat_prompt(info: ModelInfo, messages: list[Message]) -> str:
     if not getattr(tokenizer, "chat_template", None):
         raise bad_request("messages", "this model's tokenizer has no chat template: use /v1/completions")
     turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
-    for turn in turns:
+    for index, turn in enumerate(turns):
         check_utf8("messages", turn["content"])
-    text = str(tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True))
+        # The BLS takes text and reads every special token's text in it as that token, so a user's
+        # `<|im_end|>` would end the turn: refused rather than passed on as a control token.
+        special = special_token_text(tokenizer, turn["content"])
+        if special is not None:
+            raise bad_request(
+                "messages",
+                f"messages[{index}].content contains {special!r}, the text of one of the model's control "
+                "tokens: remove it",
+            )
+    try:
+        text = render_chat(tokenizer, turns)
+    except ChatTemplateLimitError as err:
+        raise bad_request("messages", f"messages: the chat template failed: {err}") from None
     # The BLS encodes text_input with the tokenizer's special tokens; a template that writes BOS itself
     # would get a second one, so leave BOS to the encoder.
     bos = getattr(tokenizer, "bos_token", None)
@@ -24,21 +41,31 @@ def chat_prompt(info: ModelInfo, messages: list[Message]) -> str:
     return text
 
 
-def count_prompt_tokens(info: ModelInfo, text: str, param: str) -> int:
-    """Tokens in `text` as the BLS encodes it; 413 beyond the engine's max_input_len."""
-    if not text:
+def prompt_ids(info: ModelInfo, prompt: str | list[int], param: str) -> list[int]:
+    """The prompt's token ids as the BLS will use them (text encoded as it encodes it; ids as sent); 413
+    beyond the engine's max_input_len."""
+    if not prompt:
         raise bad_request(param, f"{param}: the prompt is empty")
-    check_utf8(param, text)
-    count = len(info.encoder.tokenizer.encode(text, add_special_tokens=info.encoder.add_special_tokens))
-    if count > info.max_input_len:
+    if isinstance(prompt, str):
+        check_utf8(param, prompt)
+        tokenizer = info.encoder.tokenizer
+        ids = list(tokenizer.encode(prompt, add_special_tokens=info.encoder.add_special_tokens))
+    else:
+        ids, vocab = prompt, len(info.encoder.tokenizer)
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(
+                param, f"{param}: token ids {bad[:5]} are not in this model's vocabulary [0, {vocab})"
+            )
+    if len(ids) > info.max_input_len:
         raise APIError(
             413,
-            f"{param}: the prompt is {count} tokens, more than this model's limit of "
+            f"{param}: the prompt is {len(ids)} tokens, more than this model's limit of "
             f"{info.max_input_len} input tokens (max_input_len)",
             param=param,
             code="context_length_exceeded",
         )
-    return count
+    return ids
 
 
 def completion_budget(info: ModelInfo, prompt_tokens: int, requested: int | None, default: int | None) -> int:

@@ -40,17 +40,29 @@ class Shape:
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, finish_reason: str | None, used: dict[str, int]) -> dict[str, Any]:
+    def whole(
+        self,
+        text: str,
+        finish_reason: str | None,
+        used: dict[str, int],
+        logprobs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         if self.chat:
             choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}}
             head = self._head("chat.completion")
         else:
             choice = {"index": 0, "text": text}
             head = self._head("text_completion")
-        choice.update(logprobs=None, finish_reason=finish_reason)
+        choice.update(logprobs=logprobs, finish_reason=finish_reason)
         return {**head, "choices": [choice], "usage": used}
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False) -> dict[str, Any]:
+    def chunk(
+        self,
+        text: str | None,
+        finish_reason: str | None = None,
+        role: bool = False,
+        logprobs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         """One streamed choice delta (`text` None: no content in it)."""
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
@@ -61,7 +73,7 @@ class Shape:
         else:
             choice = {"index": 0, "text": text or ""}
             head = self._head("text_completion")
-        choice.update(logprobs=None, finish_reason=finish_reason)
+        choice.update(logprobs=logprobs, finish_reason=finish_reason)
         return {**head, "choices": [choice]}
 
     def usage_chunk(self, used: dict[str, int]) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pipeline.serving.openai.errors import APIError, bad_request, not_supported
+from pipeline.serving.openai.logprobs import MAX_TOP_LOGPROBS
 
 
 def check_utf8(param: str, text: str) -> None:
@@ -35,7 +36,7 @@ class _Sampling(_Strict):
     """What both endpoints share."""
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=0)  # 0 only with echo (completions)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0)  # an extension: OpenAI has no top_k
@@ -50,15 +51,9 @@ class _Sampling(_Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored
     logit_bias: dict[str, Any] | None = None
-    logprobs: Any = None
-    top_logprobs: Any = None
 
     # field -> (the values that mean "off", whether it may come later)
-    OFF: ClassVar[dict[str, tuple[tuple[Any, ...], bool]]] = {
-        "logit_bias": ((None, {}), False),
-        "logprobs": ((None, False), True),
-        "top_logprobs": ((None, 0), True),
-    }
+    OFF: ClassVar[dict[str, tuple[tuple[Any, ...], bool]]] = {"logit_bias": ((None, {}), False)}
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -75,26 +70,50 @@ class _Sampling(_Strict):
         for name, (off, later) in self.OFF.items():
             if getattr(self, name) not in off:
                 raise not_supported(name, yet=later)
+        if self.max_tokens == 0 and not getattr(self, "echo", False):
+            raise bad_request("max_tokens", "max_tokens=0 is only allowed with echo: true (/v1/completions)")
+
+    def top_logprobs_wanted(self) -> int | None:
+        """None: no log-probs; else how many alternatives per token."""
+        raise NotImplementedError
+
+
+def _check_top(name: str, value: int | None) -> None:
+    if value is not None and value > MAX_TOP_LOGPROBS:
+        raise bad_request(name, f"{name}={value}: at most {MAX_TOP_LOGPROBS} alternatives per token")
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str]
+    # text, or token ids (what lm-eval's local-completions sends); one prompt per request
+    prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0)  # legacy: log-probs with this many alternatives
     suffix: str | None = None
     best_of: int | None = None
     OFF: ClassVar[dict[str, tuple[tuple[Any, ...], bool]]] = {
         **_Sampling.OFF,
-        "echo": ((False,), True),
         "suffix": ((None, ""), False),
         "best_of": ((None, 1), False),
     }
 
-    def prompt_text(self) -> str:
-        if isinstance(self.prompt, str):
-            return self.prompt
-        if len(self.prompt) != 1:
-            raise bad_request("prompt", f"a list of {len(self.prompt)} prompts: send one prompt per request")
-        return self.prompt[0]
+    def unsupported(self) -> None:
+        super().unsupported()
+        _check_top("logprobs", self.logprobs)
+
+    def top_logprobs_wanted(self) -> int | None:
+        return self.logprobs
+
+    def prompt_input(self) -> str | list[int]:
+        """The prompt's text, or its token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return prompt
+        if prompt and isinstance(prompt[0], int):
+            return [int(t) for t in prompt]
+        if len(prompt) != 1:
+            raise bad_request("prompt", f"a list of {len(prompt)} prompts: send one prompt per request")
+        first = prompt[0]
+        return first if isinstance(first, str) else [int(t) for t in first]  # type: ignore[union-attr]
 
 
 class TextPart(_Strict):
@@ -120,12 +139,23 @@ class ChatRequest(_Sampling):
     function_call: Any = None
     parallel_tool_calls: Any = None
     response_format: Any = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0)
     OFF: ClassVar[dict[str, tuple[tuple[Any, ...], bool]]] = {
         **_Sampling.OFF,
         **{name: ((None,), False) for name in ("tools", "tool_choice", "functions", "function_call")},
         "parallel_tool_calls": ((None,), False),
         "response_format": ((None, {"type": "text"}), False),
     }
+
+    def unsupported(self) -> None:
+        super().unsupported()
+        _check_top("top_logprobs", self.top_logprobs)
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs", "top_logprobs needs logprobs: true")
+
+    def top_logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def token_limit(self) -> int | None:
         both = self.max_tokens is not None and self.max_completion_tokens is not None

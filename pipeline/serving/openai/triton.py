@@ -25,10 +25,18 @@ _OVERLOADED = ("queue is full", "exceeds maximum queue size", "overloaded", "not
 
 @dataclass
 class Piece:
-    """One response of the BLS: the text it adds and how many tokens that took."""
+    """One response of the BLS: the text it adds, the tokens that took and their log-probs, and the logits
+    the request asked for."""
 
     text: str
-    num_tokens: int
+    token_ids: list[int]
+    log_probs: list[float]
+    context_logits: np.ndarray | None = None  # [prompt, vocab]
+    generation_logits: np.ndarray | None = None  # [len(token_ids), vocab]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.log_probs)
 
 
 def _request(model: str, body: dict[str, Any], request_id: str) -> Any:
@@ -60,7 +68,8 @@ class TritonBls:
     def __init__(self, url: str, model: str) -> None:
         self.url = url
         self.model = model
-        self._channel = grpc.aio.insecure_channel(url)
+        # Logits outputs are vocabulary-sized rows per token: far past gRPC's 4 MB default for a response.
+        self._channel = grpc.aio.insecure_channel(url, options=[("grpc.max_receive_message_length", -1)])
         self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
 
     async def close(self) -> None:
@@ -111,6 +120,12 @@ class TritonBls:
 def _piece(result: Any) -> Piece:
     text = result.as_numpy("text_output")
     first = np.asarray(text).reshape(-1)[0] if text is not None and np.asarray(text).size else b""
-    log_probs = result.as_numpy("output_log_probs")
-    num_tokens = 0 if log_probs is None else int(np.asarray(log_probs).size)
-    return Piece(first.decode("utf-8") if isinstance(first, bytes) else str(first), num_tokens)
+    log_probs, ids = result.as_numpy("output_log_probs"), result.as_numpy("output_ids")
+    context, generation = result.as_numpy("context_logits"), result.as_numpy("generation_logits")
+    return Piece(
+        first.decode("utf-8") if isinstance(first, bytes) else str(first),
+        [] if ids is None else np.asarray(ids).reshape(-1).tolist(),
+        [] if log_probs is None else np.asarray(log_probs, dtype=np.float32).reshape(-1).tolist(),
+        None if context is None else context.reshape(-1, context.shape[-1]),
+        None if generation is None or not generation.size else generation.reshape(-1, generation.shape[-1]),
+    )

@@ -27,12 +27,13 @@ import triton_python_backend_utils as pb_utils
 
 from pipeline.serving.triton_models import draft_target
 from pipeline.serving.triton_models import triton_utils as tu
-from pipeline.serving.triton_models.detokenizer import IncrementalDetokenizer
+from pipeline.serving.triton_models.bls_text import TextAssembler
 from pipeline.serving.triton_models.io import (
     BLS_INPUTS,
     LOG_PROB_OUTPUTS,
     SPEC_OUTPUTS,
     InvalidInputError,
+    check_no_parameters,
     scalar,
     speculative_outputs,
     word_list_to_sequences,
@@ -54,8 +55,8 @@ CANCEL_CHECK_PERIOD_S = 0.05
 #   Python, with the GIL, drops the last reference. (python_backend fixed this later: #390, Dec 2024.)
 _BLS_LOCK = threading.Lock()
 _RETIRED_KEEP_S = 10.0
-# What an engine call asks for: the tokens and log-probs, and SPEC_OUTPUTS when the client set
-# return_perf_metrics.
+# What an engine call asks for: the tokens and log-probs, SPEC_OUTPUTS when the client set
+# return_perf_metrics, and the logits it asked for (return_context_logits / return_generation_logits).
 _TEXT_OUTPUTS = ("output_ids", "sequence_length", *LOG_PROB_OUTPUTS)
 # client input -> preprocessing input (tokenized here)
 _TO_PREPROCESS = {
@@ -117,6 +118,17 @@ class BlsPlan:
     num_draft_tokens: int | None = None  # the client's num_draft_tokens, when sent
     return_perf_metrics: bool = False
     return_log_probs: bool = False
+    return_context_logits: bool = False
+    return_generation_logits: bool = False
+
+    def engine_outputs(self) -> tuple[str, ...]:
+        """The tensorrt_llm outputs this request needs."""
+        wanted = {
+            SPEC_OUTPUTS: self.return_perf_metrics,
+            ("context_logits",): self.return_context_logits,
+            ("generation_logits",): self.return_generation_logits,
+        }
+        return sum((names for names, on in wanted.items() if on), _TEXT_OUTPUTS)
 
 
 def _flag(inputs: dict[str, np.ndarray], name: str, default: bool) -> bool:
@@ -131,15 +143,28 @@ def plan_request(
     default_exclude_input: bool,
 ) -> BlsPlan:
     """Client tensors -> the tensorrt_llm request. Raises InvalidInputError."""
-    text = inputs.get("text_input")
-    if text is not None and text.shape[0] != 1:
-        raise InvalidInputError("text_input", f"batch of {text.shape[0]}", "one prompt per request")
-    pre = preprocess(
-        encoder, {_TO_PREPROCESS[k]: v for k, v in inputs.items() if k in _TO_PREPROCESS}, max_seq_len
-    )
+    text, ids = inputs.get("text_input"), inputs.get("input_ids")
+    if (text is None) == (ids is None):
+        raise InvalidInputError(
+            "text_input", None, "send the prompt as text_input or as token ids in input_ids, one of them"
+        )
+    prompt_input = text if text is not None else ids
+    if prompt_input is not None and prompt_input.shape[0] != 1:
+        raise InvalidInputError("text_input", f"batch of {prompt_input.shape[0]}", "one prompt per request")
+    pre_inputs = {_TO_PREPROCESS[k]: v for k, v in inputs.items() if k in _TO_PREPROCESS}
+    if ids is not None:
+        # Preprocessing derives the other tensors (stop words, end id) from a text row; the ids then
+        # replace that row's encoding, and the engine checks them against the vocabulary and the limits.
+        pre_inputs["QUERY"] = np.array([[b"input_ids"]], dtype=object)
+    pre = preprocess(encoder, pre_inputs, max_seq_len)
     engine_inputs = {_FROM_PREPROCESS[k]: v for k, v in pre.items()}
     engine_inputs.update({_PASS_THROUGH[k]: v for k, v in inputs.items() if k in _PASS_THROUGH})
-    prompt = pre["INPUT_ID"][0, : int(pre["REQUEST_INPUT_LEN"][0, 0])].tolist()
+    if ids is not None:
+        prompt = _prompt_ids(ids)
+        engine_inputs["input_ids"] = np.array([prompt], dtype=np.int32)
+        engine_inputs["input_lengths"] = np.array([[len(prompt)]], dtype=np.int32)
+    else:
+        prompt = pre["INPUT_ID"][0, : int(pre["REQUEST_INPUT_LEN"][0, 0])].tolist()
     exclude = _flag(inputs, "exclude_input_in_output", default_exclude_input)
     engine_inputs["exclude_input_in_output"] = np.array([[exclude]], dtype=np.bool_)
     num_drafts = scalar(inputs, "num_draft_tokens")
@@ -153,65 +178,18 @@ def plan_request(
         num_draft_tokens=None if num_drafts is None else int(num_drafts),
         return_perf_metrics=_flag(inputs, "return_perf_metrics", False),
         return_log_probs=_flag(inputs, "return_log_probs", False),
+        return_context_logits=_flag(inputs, "return_context_logits", False),
+        return_generation_logits=_flag(inputs, "return_generation_logits", False),
     )
 
 
-class TextAssembler:
-    """Engine responses (numpy dicts) -> the BLS's text responses, streamed or whole."""
-
-    def __init__(self, tokenizer: Any, plan: BlsPlan, skip_special_tokens: bool) -> None:
-        self.tokenizer = tokenizer
-        self.plan = plan
-        self.skip_special_tokens = skip_special_tokens
-        self.detok = IncrementalDetokenizer(tokenizer, plan.prompt_ids, skip_special_tokens)
-        self.token_ids: list[int] = []
-        self.log_probs: list[np.ndarray] = []
-        self.num_streamed_log_probs = 0  # streaming: log-probs already sent with earlier text
-        self.cum_log_probs = np.zeros((1, 1), dtype=np.float32)
-        self.speculative: dict[str, np.ndarray] = {}  # SPEC_OUTPUTS, sent with the final text
-
-    def add(self, engine: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
-        """Fold in one engine response; for streaming, the text delta it completes (None: no text yet)."""
-        count = int(np.asarray(engine["sequence_length"]).reshape(-1)[0])
-        tokens = np.asarray(engine["output_ids"]).reshape(-1)[:count].tolist()
-        self.token_ids += tokens
-        if "cum_log_probs" in engine:
-            self.cum_log_probs = np.asarray(engine["cum_log_probs"], dtype=np.float32).reshape(1, 1)
-        log_probs = np.asarray(engine.get("output_log_probs", np.zeros(0)), dtype=np.float32).reshape(-1)
-        self.log_probs.append(log_probs)
-        if self.plan.return_perf_metrics:
-            self.speculative.update({k: v for k, v in engine.items() if k in SPEC_OUTPUTS})
-        if not self.plan.streaming:
-            return None
-        text = self.detok.add(tokens)
-        return self._outputs(text) if text else None
-
-    def finish(self) -> dict[str, np.ndarray]:
-        """The last response: the held-back rest of a stream, or the whole text of a non-streaming request."""
-        if self.plan.streaming:
-            text = self.detok.flush()
-        elif self.plan.exclude_input_in_output:
-            text = self.detok.add(self.token_ids) + self.detok.flush()
-        else:  # the engine returned prompt + output tokens: decode them like postprocessing does
-            text = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special_tokens)
-        outputs = self._outputs(text)
-        if self.plan.return_perf_metrics:
-            outputs.update(self.speculative)
-        return outputs
-
-    def _unsent_log_probs(self) -> np.ndarray:
-        """Log-probs of the tokens whose text goes out now (held-back tokens' ones wait with them)."""
-        every = np.concatenate(self.log_probs) if self.log_probs else np.zeros(0, np.float32)
-        unsent, self.num_streamed_log_probs = every[self.num_streamed_log_probs :], every.size
-        return unsent
-
-    def _outputs(self, text: str) -> dict[str, np.ndarray]:
-        # text_output is flat, [batch * beam] = [1], as upstream's postprocessing and BLS return it.
-        outputs = {"text_output": tu.string_array([text], (1,))}
-        if self.plan.return_log_probs:  # only then are the log-probs gathered
-            outputs["cum_log_probs"] = self.cum_log_probs
-            outputs["output_log_probs"] = self._unsent_log_probs().reshape(1, 1, -1)
-        return outputs
+def _prompt_ids(ids: np.ndarray) -> list[int]:
+    if ids.dtype.kind not in "iu":
+        raise InvalidInputError("input_ids", ids.dtype.name, "wrong data type (expected INT32 token ids)")
+    prompt = [int(t) for t in ids.reshape(-1)]
+    if not prompt or min(prompt) < 0:
+        raise InvalidInputError("input_ids", prompt[:5], "needs at least one token id, each >= 0")
+    return prompt
 
 
 class EngineCallError(Exception):
@@ -264,6 +242,11 @@ class BlsModel:
         for request in requests:
             inputs = tu.request_inputs(request, BLS_INPUTS)
             sender = request.get_response_sender()
+            try:
+                check_no_parameters(request.parameters())
+            except InvalidInputError as err:
+                sender.send(tu.error_response(str(err)), flags=tu.FINAL)
+                continue
             threading.Thread(
                 target=self._serve, args=(inputs, sender), name="llmpipe-bls", daemon=True
             ).start()
@@ -343,8 +326,7 @@ class BlsModel:
         request_id = f"bls-{uuid.uuid4().hex}"
         assembler = TextAssembler(self.encoder.tokenizer, plan, self.skip_special_tokens)
         cancelled, next_check = False, 0.0
-        # The speculation counters only when the client asked for them (return_perf_metrics).
-        outputs = (*_TEXT_OUTPUTS, *SPEC_OUTPUTS) if plan.return_perf_metrics else _TEXT_OUTPUTS
+        outputs = plan.engine_outputs()
         for response in self._responses(
             self._engine_request(plan.engine_inputs, request_id, outputs=outputs)
         ):

@@ -45,6 +45,7 @@ from pipeline.serving.triton_models.io import (
     InvalidInputError,
     RequestLimits,
     StopRequest,
+    check_no_parameters,
     engine_outputs,
     parse_engine_request,
     split_rows,
@@ -345,6 +346,7 @@ class TorchEngineModel(EngineModel):
         self._start(args, settings, "gpt_model_path")
 
     def _parse(self, request: Any) -> list[EngineRequest] | StopRequest:
+        check_no_parameters(request.parameters())
         rows = split_rows(tu.request_inputs(request, ENGINE_INPUTS), decoupled=self.decoupled)
         parsed = [
             parse_engine_request(

@@ -10,6 +10,7 @@ request of several rows is several sequences (`split_rows`), answered one respon
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -39,8 +40,6 @@ ENGINE_INPUTS: dict[str, str] = {
 UNSUPPORTED_AT_DEFAULT: dict[str, tuple[object, str]] = {
     "beam_width": (1, "the torch engine has no beam search: send 1"),
     "num_return_sequences": (1, "the torch engine returns one sequence per request: send 1"),
-    "return_context_logits": (False, "the torch engine does not return logits: send false"),
-    "return_generation_logits": (False, "the torch engine does not return logits: send false"),
     "return_kv_cache_reuse_stats": (
         False,
         "the torch engine does not report per-request KV reuse: send false",
@@ -71,9 +70,12 @@ CLIENT_INPUTS = (
     "embedding_bias_words", "embedding_bias_weights",
     "apply_chat_template",  # llmpipe's: format text_input with the tokenizer's chat template
 )  # fmt: skip
-# The BLS also takes the draft length of its draft-target loop (tensorrtllm_backend's BLS input).
-BLS_INPUTS = (*CLIENT_INPUTS, "num_draft_tokens")
+# The BLS also takes the draft length of its draft-target loop (tensorrtllm_backend's BLS input) and, as
+# llmpipe's extension, the prompt as token ids (`input_ids`, tensorrt_llm's name) instead of text_input.
+BLS_INPUTS = (*CLIENT_INPUTS, "num_draft_tokens", "input_ids")
 CLIENT_OUTPUTS = ("text_output", *LOG_PROB_OUTPUTS, *SPEC_OUTPUTS, *UPSTREAM_OUTPUTS)
+# llmpipe's extension: with return_log_probs the BLS also says which tokens those are (`output_ids`).
+BLS_OUTPUTS = (*CLIENT_OUTPUTS, "output_ids")
 SAMPLING_INPUTS = ("runtime_top_k", "runtime_top_p", "temperature")
 
 
@@ -175,8 +177,11 @@ def scalar(inputs: Inputs, name: str) -> float | int | bool | None:
     return value
 
 
-def word_list_to_sequences(name: str, array: np.ndarray | None) -> tuple[tuple[int, ...], ...]:
-    """tensorrtllm_backend's `[2, L]` word list (row 0: ids of all words; row 1: end offsets, -1 padded)."""
+def word_list_to_sequences(
+    name: str, array: np.ndarray | None, vocab_size: int | None = None
+) -> tuple[tuple[int, ...], ...]:
+    """tensorrtllm_backend's `[2, L]` word list (row 0: ids of all words; row 1: end offsets, -1 padded);
+    with `vocab_size`, every id must be a token of the model."""
     if array is None:
         return ()
     if array.ndim != 2 or array.shape[0] != 2:
@@ -193,8 +198,10 @@ def word_list_to_sequences(name: str, array: np.ndarray | None) -> tuple[tuple[i
             raise InvalidInputError(name, offsets, "end offsets must increase and stay within the ids row")
         words.append(tuple(int(t) for t in ids[start:end]))
         start = end
-    if any(t < 0 for word in words for t in word):
-        raise InvalidInputError(name, ids, "token ids must be >= 0")
+    bad = [t for word in words for t in word if t < 0 or (vocab_size is not None and t >= vocab_size)]
+    if bad:
+        limit = ">= 0" if vocab_size is None else f"in [0, {vocab_size}) (the model's vocab_size)"
+        raise InvalidInputError(name, bad[:5], f"token ids must be {limit}")
     return tuple(words)
 
 
@@ -208,6 +215,21 @@ def sequences_to_word_list(words: Sequence[Sequence[int]]) -> np.ndarray:
     out[0, : len(ids)] = ids
     out[1, : len(offsets)] = offsets
     return out
+
+
+def check_no_parameters(parameters: str) -> None:
+    """Refuse request parameters (`request.parameters()`, a JSON object). Triton's generate endpoint passes
+    every JSON field that is not an input of the model as one (the ensemble hands them to each step), so a
+    misspelled or unsupported key would otherwise be ignored; no model here reads any. Triton reserves the
+    `triton_` prefix for its own keys, which pass."""
+    unknown = {k: v for k, v in json.loads(parameters or "{}").items() if not k.startswith("triton_")}
+    if unknown:
+        name = sorted(unknown)[0]
+        raise InvalidInputError(
+            name,
+            unknown[name],
+            "unknown key: no input of this model has that name (GET /v2/models/<model>/config lists them)",
+        )
 
 
 def _check_range(name: str, value: float | int, ok: bool, limit: str) -> None:
@@ -325,10 +347,16 @@ def parse_engine_request(
             max_tokens=int(max_tokens),
             min_tokens=int(min_tokens),
             end_id=None if end_id is None or end_id < 0 else int(end_id),
-            stop_token_ids=word_list_to_sequences("stop_words_list", _array(inputs, "stop_words_list")),
-            bad_token_ids=word_list_to_sequences("bad_words_list", _array(inputs, "bad_words_list")),
+            stop_token_ids=word_list_to_sequences(
+                "stop_words_list", _array(inputs, "stop_words_list"), limits.vocab_size
+            ),
+            bad_token_ids=word_list_to_sequences(
+                "bad_words_list", _array(inputs, "bad_words_list"), limits.vocab_size
+            ),
             seed=None if seed is None else int(seed),
-            logprobs=bool(scalar(inputs, "return_log_probs") or False),
+            logprobs=flag(inputs, "return_log_probs"),
+            context_logits=flag(inputs, "return_context_logits"),
+            generation_logits=flag(inputs, "return_generation_logits"),
             logit_bias=_logit_bias(inputs, limits),
             temperature=temperature,
             top_k=top_k,
@@ -405,10 +433,15 @@ def speculative_outputs(num_draft_tokens: int, num_accepted_draft_tokens: int) -
 
 
 def engine_outputs(
-    token_ids: Sequence[int], logprobs: Sequence[float] | None, cum_log_prob: float
+    token_ids: Sequence[int],
+    logprobs: Sequence[float] | None,
+    cum_log_prob: float,
+    context_logits: np.ndarray | None = None,
+    generation_logits: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
-    """One response's tensors: `[batch=1, beam=1, ...]` like tensorrtllm_backend's; the log-prob outputs
-    only when the request asked for them (`logprobs` not None)."""
+    """One response's tensors: `[batch=1, beam=1, ...]` like tensorrtllm_backend's; the log-prob and
+    logits outputs only when the request asked for them (not None). `context_logits` [prompt, vocab],
+    `generation_logits` [tokens, vocab]."""
     count = len(token_ids)
     outputs: dict[str, np.ndarray] = {
         "output_ids": np.asarray(token_ids, dtype=np.int32).reshape(1, 1, count),
@@ -417,6 +450,10 @@ def engine_outputs(
     if logprobs is not None:
         outputs["cum_log_probs"] = np.array([[cum_log_prob]], dtype=np.float32)
         outputs["output_log_probs"] = np.asarray(logprobs, dtype=np.float32).reshape(1, 1, -1)
+    if context_logits is not None:
+        outputs["context_logits"] = context_logits[None]
+    if generation_logits is not None:
+        outputs["generation_logits"] = generation_logits[None, None]
     return outputs
 
 

@@ -31,6 +31,7 @@ def postprocess(
             f"shape {list(lengths.shape)}",
             f"must be [batch, beam] matching TOKENS_BATCH {list(tokens.shape)}",
         )
+    vocab_size = len(tokenizer)
     texts = []
     for b in range(tokens.shape[0]):
         for beam in range(tokens.shape[1]):
@@ -38,6 +39,9 @@ def postprocess(
             if not 0 <= count <= tokens.shape[2]:
                 raise InvalidInputError("SEQUENCE_LENGTH", count, f"must be in [0, {tokens.shape[2]}]")
             ids = tokens[b, beam, :count].tolist()
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:  # tokenizers raise OverflowError on a negative id and decode one past the end as ""
+                raise InvalidInputError("TOKENS_BATCH", bad[:5], f"token ids must be in [0, {vocab_size})")
             texts.append(tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
     return tu.string_array(texts, (tokens.shape[0] * tokens.shape[1],))
 

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.serving.triton_models import triton_utils as tu
-from pipeline.serving.triton_models.io import InvalidInputError
+from pipeline.serving.triton_models.io import InvalidInputError, check_no_parameters
 from pipeline.serving.triton_models.tokenization import PromptEncoder, decode_text, decode_words
 
 INPUTS = (
@@ -158,6 +158,7 @@ class PreprocessingModel:
         responses = []
         for request in requests:
             try:
+                check_no_parameters(request.parameters())  # the ensemble's first step: the client's keys
                 outputs = preprocess(self.encoder, tu.request_inputs(request, INPUTS), self.max_seq_len)
                 responses.append(tu.make_response(outputs))
             except InvalidInputError as err:

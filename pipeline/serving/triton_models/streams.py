@@ -72,6 +72,10 @@ class RequestState:
         self.logprob_sum = 0.0  # of self.logprobs, kept as they arrive (streams report it every chunk)
         self.num_sent = 0
         self.cum_sent_logprob = 0.0
+        # return_context_logits: [prompt, vocab], sent with the first tokens; return_generation_logits: one
+        # [vocab] row per token not yet sent (dropped once sent: vocabulary-sized each)
+        self.context_logits: np.ndarray | None = None
+        self.generation_logits: list[np.ndarray] = []
         self.last_token_time: float | None = None
         # Streaming chunks end on character boundaries so that a stateless detokenizer downstream (the
         # ensemble's postprocessing) decodes each chunk exactly: held-back tokens wait for the next step.
@@ -99,6 +103,10 @@ class RequestState:
         self.token_ids += output.new_token_ids
         self.logprobs += output.new_logprobs
         self.logprob_sum += sum(output.new_logprobs)
+        if output.context_logits is not None:
+            self.context_logits = np.concatenate(output.context_logits)
+        if output.new_generation_logits is not None:
+            self.generation_logits += list(output.new_generation_logits)
         if output.error is not None or output.finish_reason == "error":
             reply = Reply(
                 None, final=True, error=f"request failed in the engine: {output.error or 'unknown error'}"
@@ -138,8 +146,23 @@ class RequestState:
             return Reply(None, final=False)
         chunk_logprobs = self.logprobs[self.num_sent : ready] if self.request.params.logprobs else None
         self.cum_sent_logprob += sum(chunk_logprobs or ())
+        outputs = engine_outputs(
+            chunk, chunk_logprobs, self.cum_sent_logprob, *self._logits(ready - self.num_sent)
+        )
+        self.context_logits = None  # sent once, with the first tokens
         self.num_sent = ready
-        return Reply(engine_outputs(chunk, chunk_logprobs, self.cum_sent_logprob), final=output.finished)
+        return Reply(outputs, final=output.finished)
+
+    def _logits(self, num_tokens: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """The context logits not yet sent and the generation logits of the next `num_tokens` tokens to
+        send, as asked."""
+        params = self.request.params
+        generation = None
+        if params.generation_logits:
+            rows = self.generation_logits[:num_tokens]
+            del self.generation_logits[:num_tokens]
+            generation = np.stack(rows) if rows else np.zeros((0, 0), np.float32)  # [tokens, vocab]
+        return (self.context_logits if params.context_logits else None), generation
 
     def _full_outputs(self, output: RequestOutput) -> dict[str, np.ndarray]:
         tokens = (
@@ -148,4 +171,4 @@ class RequestState:
             else self.request.prompt_ids + self.token_ids
         )
         logprobs = self.logprobs if self.request.params.logprobs else None
-        return engine_outputs(tokens, logprobs, sum(logprobs or ()))
+        return engine_outputs(tokens, logprobs, sum(logprobs or ()), *self._logits(len(self.token_ids)))
