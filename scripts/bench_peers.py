@@ -1,20 +1,25 @@
 """The peer comparison (what `make bench` runs): llmpipe beside its peers on SmolLM2-135M, same prompts,
 same output lengths, same machine, one run, with every speed target of benchmarks/harness/targets.py
-marked met / missed / not measured. A benchmark, not a test.
+marked met / missed / not measured, under the machine's ISA, bandwidth and matmul rates
+(pipeline/bench/machine.py). A benchmark, not a test.
 
 Workloads (greedy, outputs forced to their length):
   - throughput: the first --requests prompts of the shipped prompt set, --output-tokens each; single-stream
     figures use the first --single-requests of them one at a time, batched figures all of them at once;
   - TTFT: synthetic 256-token prompts (real text), outputs uniform in 64-192 tokens (mean 128, as the
-    throughput rows): 2 warm-up requests, 4 at concurrency 1, then 96 others at concurrency 16.
+    throughput rows): 2 warm-up requests, 4 at concurrency 1, then 96 others at concurrency 16;
+  - scaling sweep (pipeline/bench/sweep.py, --no-sweep skips it): llmpipe fp32 in-process, with a plot.
 
 Systems: llmpipe per precision (--precisions; in-process, and through Triton when its model repository
 builds and serves), HF transformers (one at a time, padded static batch), llama.cpp f32/bf16/Q8_0/Q4_1
-(llama-cpp-python; continuous batching through its low-level batch API) and CTranslate2 float32/int8.
-Peers that are not installed are reported as such (`make bench-deps` installs them).
+(llama-cpp-python; continuous batching through its low-level batch API), CTranslate2 float32/int8 and
+OpenVINO GenAI fp32/bf16/int8/int4 (its ContinuousBatchingPipeline, on its own venv: `make bench-deps`).
+Each peer runs in a process of its own (pipeline/bench/isolation.py): one that crashes, fails to load or
+passes --peer-timeout costs its own rows, and the page says how it ended.
 
     python scripts/bench_peers.py --out benchmarks/results
-    python scripts/bench_peers.py --precisions fp32 --peers hf,llamacpp-q8_0 --output-tokens 64   # quicker
+    python scripts/bench_peers.py --precisions fp32 --peers openvino-fp32 --output-tokens 16 --requests 4 \
+        --single-requests 2 --no-serve --sweep-concurrency 1,2 --sweep-prompt-tokens 128   # a quick check
 """
 
 from __future__ import annotations
@@ -37,12 +42,14 @@ from pipeline.util.openmp import default_wait_policy  # noqa: E402
 default_wait_policy(os.environ)  # before torch loads
 
 from benchmarks.harness import targets  # noqa: E402
-from pipeline.bench import report, suite  # noqa: E402
+from pipeline.bench import machine, report, suite, sweep  # noqa: E402
 from pipeline.bench.builds import Build, ensure_built  # noqa: E402
 from pipeline.bench.clients.inprocess import InProcessTarget  # noqa: E402
 from pipeline.bench.comparisons import measurements  # noqa: E402
+from pipeline.bench.isolation import run_jobs  # noqa: E402
 from pipeline.bench.load import RunResult, Target, run_closed_loop  # noqa: E402
 from pipeline.bench.metrics import percentile, ttft  # noqa: E402
+from pipeline.bench.peers import jobs as peer_jobs  # noqa: E402
 from pipeline.bench.requests import BenchRequest  # noqa: E402
 from pipeline.bench.workloads import LengthSpec, shipped_prompts, synthetic, tokenize  # noqa: E402
 from pipeline.errors import PipelineError, run_script  # noqa: E402
@@ -71,7 +78,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--precisions", default="fp32,bf16,int8,int4")
-    parser.add_argument("--peers", default="hf,llamacpp,ct2", help="as `llmpipe bench --compare`")
+    parser.add_argument(
+        "--peers",
+        default="hf,llamacpp,ct2,openvino",
+        help="as `llmpipe bench --compare`, plus openvino[-fp32|-bf16|-int8|-int4]",
+    )
+    parser.add_argument(
+        "--peer-timeout", type=float, default=1800, help="seconds before a peer's process is killed"
+    )
+    parser.add_argument(
+        "--openvino-python",
+        type=Path,
+        default=peer_jobs.OPENVINO_PYTHON,
+        help="the OpenVINO GenAI venv's python",
+    )
+    parser.add_argument("--no-sweep", action="store_true", help="skip the scaling sweep")
+    parser.add_argument("--sweep-concurrency", default=",".join(map(str, sweep.CONCURRENCIES)))
+    parser.add_argument("--sweep-prompt-tokens", default=",".join(map(str, sweep.PROMPT_TOKENS)))
+    parser.add_argument("--sweep-output-tokens", type=int, default=sweep.OUTPUT_TOKENS)
+    parser.add_argument(
+        "--sweep-max-tokens",
+        type=int,
+        default=sweep.MAX_WAVE_TOKENS,
+        help="prompt tokens one point may prefill",
+    )
     parser.add_argument("--requests", type=int, default=BATCH, help="requests per batched run")
     parser.add_argument("--single-requests", type=int, default=4, help="requests run one at a time")
     parser.add_argument("--output-tokens", type=int, default=128)
@@ -172,7 +202,9 @@ def run_ours(
     wl: dict[str, list[BenchRequest]],
     eos_id: int | None,
     problems: list[str],
+    weights: dict[str, int],
 ) -> tuple[list[RunResult], dict[str, float]]:
+    """Each precision in-process (and served); `weights` gets each engine's bytes read per decode step."""
     results: list[RunResult] = []
     keys: dict[str, float] = {}
     for precision in precisions:
@@ -180,6 +212,7 @@ def run_ours(
         try:
             build = ensure_built(config, overrides, until="engine")
             assert build.engine_dir is not None
+            weights[precision] = machine.weight_bytes(build.engine_dir)
             engine = InProcessTarget.from_engine_dir(
                 build.engine_dir, end_id=eos_id, name=f"llmpipe-{precision}"
             )
@@ -227,37 +260,41 @@ def _served(
 
 
 def run_peers(
-    args: argparse.Namespace,
-    wl: dict[str, list[BenchRequest]],
-    hf_dir: Path,
-    tokenizer: Any,
-    gguf: Path,
-    problems: list[str],
+    args: argparse.Namespace, wl: dict[str, list[BenchRequest]], hf_dir: Path, gguf: Path, problems: list[str]
 ) -> list[RunResult]:
+    """Each peer in a process of its own, one after the other; a crash or timeout costs its rows only."""
+    paths = {"hf_dir": hf_dir, "cache_dir": args.cache_dir, "gguf": gguf}
+    options = {
+        **{k: str(v.resolve()) for k, v in paths.items()},
+        "max_batch_size": BATCH,
+        "threads": args.threads,
+    }
+    runs = ((1, tuple(wl["single"])), (BATCH, tuple(wl["batch"])))
+    jobs, unable = peer_jobs.plan(
+        args.peers, runs, wl["warmup"], options, args.openvino_python, not args.no_progress
+    )
+    problems += unable
     results: list[RunResult] = []
-    for family, precision in suite.parse_compare(args.peers):
-        name = f"{family}-{precision}"
-        print(f"peer {name}: loading", file=sys.stderr)
-        try:
-            peer = suite.make_peer(
-                family, precision, hf_dir, tokenizer, args.cache_dir, BATCH, gguf, args.threads
-            )
-        except Exception as err:  # noqa: BLE001 - a peer that does not install or load is reported, not fatal
-            _problem(problems, f"peer {name}", err)
-            continue
-        try:
-            peer.run(wl["warmup"], 1)
-            for requests, size in ((wl["single"], 1), (wl["batch"], BATCH)):
-                load = report.load_1m()
-                with report.ProgressBar(len(requests), f"{name} batch {size}", not args.no_progress) as bar:
-                    result = peer.run(requests, size, on_record=bar)
-                result.extra["load_1m"] = load
-                results.append(result)
-        except Exception as err:  # noqa: BLE001
-            _problem(problems, f"peer {name} run", err)
-        finally:
-            peer.close()
+    for outcome in run_jobs(jobs, args.peer_timeout):
+        results += outcome.results
+        if outcome.failure:
+            problems.append(f"peer {outcome.failure}")
+            print(f"!! peer {outcome.failure}", file=sys.stderr)
     return results
+
+
+def run_sweep(args: argparse.Namespace, tokenizer: Any) -> tuple[list[RunResult], list[sweep.SweepPoint]]:
+    """The sweep's runs, and the points left out for their prefill budget."""
+    points, left_out = sweep.plan(
+        suite.parse_int_list(args.sweep_concurrency, "--sweep-concurrency"),
+        suite.parse_int_list(args.sweep_prompt_tokens, "--sweep-prompt-tokens"),
+        max_wave_tokens=args.sweep_max_tokens,
+    )
+    config, overrides = BUILDS["fp32"]
+    results = sweep.run_built(
+        config, overrides, points, args.sweep_output_tokens, tokenizer, args.seed, not args.no_progress
+    )
+    return results, left_out
 
 
 def _burst_note(keys: dict[str, float]) -> list[str]:
@@ -272,26 +309,11 @@ def _burst_note(keys: dict[str, float]) -> list[str]:
     ]
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    command = "python scripts/bench_peers.py " + shlex.join(sys.argv[1:] if argv is None else argv)
-    precisions = [p for p in args.precisions.split(",") if p]
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
-        # the tritonserver started below, and its Python stubs, inherit this: same threads as in-process
-        os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    base = ensure_built(*BUILDS["fp32"], until="fetch")  # the tokenizer and the peers' checkpoint
-    from transformers import AutoTokenizer
-
-    from pipeline.stages.fetch import gguf_file
-
-    tokenizer = AutoTokenizer.from_pretrained(base.hf_dir)
+def workloads(args: argparse.Namespace, tokenizer: Any) -> dict[str, list[BenchRequest]]:
     # SmolLM2-Instruct: every prompt is one user turn of its chat template, on every system (the served
     # ensemble is asked to apply it), so the in-process, served and peer rows prefill the same ids.
     batch = tokenize(shipped_prompts(output_tokens=args.output_tokens)[: args.requests], tokenizer, True)
-    wl = {
+    return {
         "batch": batch,
         "single": batch[: args.single_requests],
         "warmup": tokenize(
@@ -308,17 +330,11 @@ def main(argv: list[str] | None = None) -> int:
             tokenizer,
         ),
     }
-    problems: list[str] = []
-    started = time.monotonic()
-    results, keys = run_ours(args, precisions, wl, tokenizer.eos_token_id, problems)
-    results += run_peers(args, wl, base.hf_dir, tokenizer, gguf_file(base.cfg), problems)
-    run_dir = args.out / f"{time.strftime('%Y-%m-%d')}-{report.machine_tag()}"
-    meta = {"command": command, "problems": problems, "wall_s": round(time.monotonic() - started, 1)}
-    found = {**measurements(results), **keys}
-    verdicts = targets.check(targets.PEER_TARGETS, found)
-    report.write_results(run_dir, results, meta, found, {"targets": [v.row() for v in verdicts]})
-    plots = report.plot(run_dir, results)
-    notes = [
+
+
+def _notes(args: argparse.Namespace, wl: dict[str, list[BenchRequest]], wall_s: float) -> list[str]:
+    batch = wl["batch"]
+    return [
         f"Workload: {len(batch)} shipped prompts ({min(r.num_input_tokens for r in batch)}-"
         f"{max(r.num_input_tokens for r in batch)} tokens), {args.output_tokens} output tokens each (forced), greedy. "
         f"Single-stream rows: the first {len(wl['single'])} prompts one at a time; c=16 / batch 16 rows: all "
@@ -326,25 +342,69 @@ def main(argv: list[str] | None = None) -> int:
         f"{TTFT_OUTPUT_TOKENS.low}-{TTFT_OUTPUT_TOKENS.high} output tokens (uniform), after {TTFT_WARMUP} warm-up requests "
         f"{TTFT_SINGLE} one at a time and {TTFT_LOADED} others 16 at a time. 'decode tok/s per request' = "
         "1 / mean TPOT. Load avg = 1-minute load when the run "
-        "started (2 cores: above 2 means other processes competed).",
-        f"Wall time {meta['wall_s']} s. CPU threads per system: {args.threads or 'default (all cores)'}.",
+        "started (2 cores: above 2 means other processes competed). Every peer ran in a process of its own.",
+        f"Wall time {wall_s} s. CPU threads per system: {args.threads or 'default (all cores)'}.",
+    ]
+
+
+def _sweep_section(
+    args: argparse.Namespace, run_dir: Path, swept: list[RunResult], left_out: list[sweep.SweepPoint]
+) -> list[str]:
+    if not swept:
+        return []
+    png = sweep.plot(run_dir / "sweep.png", swept)
+    return [sweep.section(swept, args.sweep_output_tokens, f"{run_dir.name}/{png.name}", left_out)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    command = "python scripts/bench_peers.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    precisions = [p for p in args.precisions.split(",") if p]
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        # the tritonserver started below, and its Python stubs, inherit this: same threads as in-process
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    # first, while nothing else of ours is loaded
+    facts = machine.measure(args.threads or os.cpu_count() or 1)
+    base = ensure_built(*BUILDS["fp32"], until="fetch")  # the tokenizer and the peers' checkpoint
+    from transformers import AutoTokenizer
+
+    from pipeline.stages.fetch import gguf_file
+
+    tokenizer = AutoTokenizer.from_pretrained(base.hf_dir)
+    wl = workloads(args, tokenizer)
+    problems: list[str] = []
+    weights: dict[str, int] = {}
+    started = time.monotonic()
+    results, keys = run_ours(args, precisions, wl, tokenizer.eos_token_id, problems, weights)
+    results += run_peers(args, wl, base.hf_dir, gguf_file(base.cfg), problems)
+    swept, left_out = ([], []) if args.no_sweep else run_sweep(args, tokenizer)
+    run_dir = args.out / f"{time.strftime('%Y-%m-%d')}-{report.machine_tag()}"
+    wall_s = round(time.monotonic() - started, 1)
+    meta = {"command": command, "problems": problems, "wall_s": wall_s}
+    meta.update(machine=facts.row(), weight_bytes=weights)
+    found = {**measurements(results), **keys, **machine.limit_measurements(facts, weights)}
+    verdicts = targets.check(targets.PEER_TARGETS, found)
+    extra = {"targets": [v.row() for v in verdicts], "sweep": [report.summary_row(r) for r in swept]}
+    report.write_results(run_dir, results, meta, found, extra)
+    plots = report.plot(run_dir, results)
+    sections = [targets.section(verdicts), *_sweep_section(args, run_dir, swept, left_out)]
+    notes = [
+        machine.header(facts, weights, targets.bandwidth_verdicts(verdicts)),
+        "",
+        *_notes(args, wl, wall_s),
         *_burst_note(keys),
         *(f"- Not measured: {p}" for p in problems),
     ]
     page = report.markdown_document(
-        "llmpipe vs peers",
-        command,
-        notes,
-        results,
-        [targets.section(verdicts)],
-        [f"{run_dir.name}/{p.name}" for p in plots],
+        "llmpipe vs peers", command, notes, results, sections, [f"{run_dir.name}/{p.name}" for p in plots]
     )
     page_path = args.out / f"{run_dir.name}.md"
     page_path.write_text(page)
     rows = [report.summary_row(r) for r in results]
-    print(report.format_table(rows, report.columns_for(rows)))
-    print()
-    print(targets.table(verdicts))
+    print(report.format_table(rows, report.columns_for(rows)) + "\n\n" + targets.table(verdicts))
     print(f"\nwrote {page_path} and {run_dir}/", file=sys.stderr)
     return 0
 

@@ -16,16 +16,15 @@ from dataclasses import dataclass
 from pipeline.bench.load import RunResult
 
 OURS = ("fp32", "bf16", "int8", "int4")
+# the peers that run weights of each of our precisions, as measurement key prefixes
+PEERS_BY_PRECISION: dict[str, tuple[str, ...]] = {
+    "fp32": ("hf.fp32", "llamacpp.f32", "ct2.float32", "openvino.fp32"),
+    "bf16": ("llamacpp.bf16", "openvino.bf16"),
+    "int8": ("llamacpp.q8_0", "ct2.int8", "openvino.int8"),
+    "int4": ("llamacpp.q4_1", "openvino.int4"),
+}
 # each peer's batched run with 16 requests in flight (HF: a padded static batch of 16)
-PEER_BATCHED = (
-    "hf.fp32.c16_tok_s",
-    "llamacpp.f32.c16_tok_s",
-    "llamacpp.bf16.c16_tok_s",
-    "llamacpp.q8_0.c16_tok_s",
-    "llamacpp.q4_1.c16_tok_s",
-    "ct2.float32.c16_tok_s",
-    "ct2.int8.c16_tok_s",
-)
+PEER_BATCHED = tuple(f"{peer}.c16_tok_s" for peers in PEERS_BY_PRECISION.values() for peer in peers)
 
 
 @dataclass(frozen=True)
@@ -59,25 +58,42 @@ class Ratio:
         }
 
 
+def precision_comparisons(precision: str) -> tuple[Comparison, ...]:
+    """One precision of ours against the best peer at that precision (single-request decode, and 16 at
+    once in-process), against its own in-process engine when served, and against the machine's memory
+    bandwidth limit on single-request decode (pipeline.bench.machine)."""
+    peers = PEERS_BY_PRECISION[precision]
+    ours = f"llmpipe.{precision}"
+    return (
+        Comparison(
+            f"{precision}_single_vs_best_peer",
+            f"single-request decode, {precision} vs the best {precision} peer",
+            (f"{ours}.single_decode_tok_s",),
+            tuple(f"{peer}.single_decode_tok_s" for peer in peers),
+        ),
+        Comparison(
+            f"{precision}_c16_vs_best_peer",
+            f"16 concurrent in-process, {precision} vs the best {precision} peer with 16 in flight",
+            (f"{ours}.inprocess.c16_tok_s",),
+            tuple(f"{peer}.c16_tok_s" for peer in peers),
+        ),
+        Comparison(
+            f"{precision}_served_vs_inprocess_c16",
+            f"16 concurrent through Triton vs in-process ({precision})",
+            (f"{ours}.triton.c16_tok_s",),
+            (f"{ours}.inprocess.c16_tok_s",),
+        ),
+        Comparison(
+            f"{precision}_single_vs_bandwidth_limit",
+            f"single-request decode vs the memory bandwidth limit ({precision})",
+            (f"{ours}.single_decode_tok_s",),
+            (f"machine.{precision}.decode_limit_tok_s",),
+        ),
+    )
+
+
 PEER_COMPARISONS: tuple[Comparison, ...] = (
-    Comparison(
-        "fp32_single_vs_llamacpp_f32",
-        "single-request decode, fp32 vs llama.cpp f32",
-        ("llmpipe.fp32.single_decode_tok_s",),
-        ("llamacpp.f32.single_decode_tok_s",),
-    ),
-    Comparison(
-        "int8_single_vs_llamacpp_q8_0",
-        "single-request decode, int8 vs llama.cpp Q8_0",
-        ("llmpipe.int8.single_decode_tok_s",),
-        ("llamacpp.q8_0.single_decode_tok_s",),
-    ),
-    Comparison(
-        "int4_single_vs_llamacpp_q4_1",
-        "single-request decode, int4 vs llama.cpp Q4_1",
-        ("llmpipe.int4.single_decode_tok_s",),
-        ("llamacpp.q4_1.single_decode_tok_s",),
-    ),
+    *(c for p in OURS for c in precision_comparisons(p)[:2]),
     Comparison(
         "single_vs_hf",
         "single-request decode, fp32 vs HF transformers fp32",

@@ -238,8 +238,8 @@ def write_results(
     return [json_path, csv_path]
 
 
-def plot(out_dir: Path, results: Sequence[RunResult]) -> list[Path]:
-    """Throughput vs concurrency, TTFT/ITL percentiles vs concurrency, and the e2e latency CDF."""
+def pyplot() -> Any:
+    """matplotlib.pyplot drawing to files (no display)."""
     try:
         import matplotlib
     except ImportError:
@@ -251,6 +251,12 @@ def plot(out_dir: Path, results: Sequence[RunResult]) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def plot(out_dir: Path, results: Sequence[RunResult]) -> list[Path]:
+    """Throughput vs concurrency, TTFT/ITL percentiles vs concurrency, and the e2e latency CDF."""
+    plt = pyplot()
     out_dir.mkdir(parents=True, exist_ok=True)
     closed = [r for r in results if r.mode in ("closed", "static-batch") and r.concurrency]
     by_system: dict[str, list[RunResult]] = {}
@@ -264,9 +270,11 @@ def plot(out_dir: Path, results: Sequence[RunResult]) -> list[Path]:
         runs = sorted(runs, key=lambda r: r.concurrency or 0)
         xs = [r.concurrency or 0 for r in runs]
         ax.plot(xs, [r.metrics().output_tok_s for r in runs], marker="o", color=colors[system], label=system)
-    _finish(ax, "concurrency (batch size for static batches)", "output tokens/s", "Throughput vs concurrency")
-    _concurrency_axis(ax, closed)
-    paths.append(_save(fig, out_dir / "throughput_vs_concurrency.png"))
+    finish_axes(
+        ax, "concurrency (batch size for static batches)", "output tokens/s", "Throughput vs concurrency"
+    )
+    concurrency_axis(ax, closed)
+    paths.append(save_figure(fig, out_dir / "throughput_vs_concurrency.png"))
 
     # one colour per system, one line style per percentile
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -285,10 +293,10 @@ def plot(out_dir: Path, results: Sequence[RunResult]) -> list[Path]:
                         color=colors[system],
                         label=f"{system} {pct}",
                     )
-        _finish(ax, "concurrency", f"{title} (ms)", f"{title} percentiles vs concurrency")
-        _concurrency_axis(ax, closed)
+        finish_axes(ax, "concurrency", f"{title} (ms)", f"{title} percentiles vs concurrency")
+        concurrency_axis(ax, closed)
         ax.set_yscale("log")
-    paths.append(_save(fig, out_dir / "latency_percentiles_vs_concurrency.png"))
+    paths.append(save_figure(fig, out_dir / "latency_percentiles_vs_concurrency.png"))
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in results:
@@ -300,12 +308,12 @@ def plot(out_dir: Path, results: Sequence[RunResult]) -> list[Path]:
                 where="post",
                 label=f"{r.system} {load_label(r)}",
             )
-    _finish(ax, "end-to-end latency (s)", "fraction of requests", "Latency CDF")
-    paths.append(_save(fig, out_dir / "latency_cdf.png"))
+    finish_axes(ax, "end-to-end latency (s)", "fraction of requests", "Latency CDF")
+    paths.append(save_figure(fig, out_dir / "latency_cdf.png"))
     return paths
 
 
-def _concurrency_axis(ax: Any, runs: Sequence[RunResult]) -> None:
+def concurrency_axis(ax: Any, runs: Sequence[RunResult]) -> None:
     """Log-2 spacing (sweeps double), labelled with the concurrencies actually run."""
     ticks = sorted({r.concurrency for r in runs if r.concurrency})
     ax.set_xscale("log", base=2)
@@ -313,7 +321,7 @@ def _concurrency_axis(ax: Any, runs: Sequence[RunResult]) -> None:
     ax.minorticks_off()
 
 
-def _finish(ax: Any, xlabel: str, ylabel: str, title: str) -> None:
+def finish_axes(ax: Any, xlabel: str, ylabel: str, title: str) -> None:
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
@@ -322,7 +330,7 @@ def _finish(ax: Any, xlabel: str, ylabel: str, title: str) -> None:
         ax.legend(fontsize=7)
 
 
-def _save(fig: Any, path: Path) -> Path:
+def save_figure(fig: Any, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig.tight_layout()

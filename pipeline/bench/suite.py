@@ -4,9 +4,8 @@ in scripts/ are thin wrappers around this."""
 
 from __future__ import annotations
 
-import hashlib
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,7 @@ from typing import Any
 from pipeline.bench import report
 from pipeline.bench.comparisons import PEER_COMPARISONS, SPECULATION_COMPARISONS, compare, measurements
 from pipeline.bench.load import RunResult, Target, run_closed_loop, run_open_loop
-from pipeline.bench.peers import Peer
+from pipeline.bench.peers import Peer, source_identity
 from pipeline.bench.requests import BenchRequest
 from pipeline.errors import ConfigError
 from pipeline.runtime.engine.engine_args import SPECULATIVE_MODES, EngineArgs, SpeculationArgs
@@ -57,17 +56,19 @@ def parse_float_list(text: str, what: str) -> list[float]:
     return values
 
 
-def parse_compare(text: str) -> list[tuple[str, str]]:
+def parse_compare(
+    text: str, families: Mapping[str, Sequence[str]] = PEER_FAMILIES, option: str = "--compare"
+) -> list[tuple[str, str]]:
     """'hf,llamacpp-q8_0,ct2' -> [(hf, fp32), (llamacpp, q8_0), (ct2, float32), (ct2, int8)]."""
     picked: list[tuple[str, str]] = []
     for item in (v.strip().lower() for v in text.split(",") if v.strip()):
         family, _, precision = item.partition("-")
-        if family not in PEER_FAMILIES or (precision and precision not in PEER_FAMILIES[family]):
-            choices = ", ".join(f"{f} ({'|'.join(p)})" for f, p in PEER_FAMILIES.items())
+        if family not in families or (precision and precision not in families[family]):
+            choices = ", ".join(f"{f} ({'|'.join(p)})" for f, p in families.items())
             raise ConfigError(
-                f"--compare: unknown peer {item!r}", hint=f"choose from {choices}; e.g. llamacpp-q8_0"
+                f"{option}: unknown peer {item!r}", hint=f"choose from {choices}; e.g. llamacpp-q8_0"
             )
-        for p in (precision,) if precision else PEER_FAMILIES[family]:
+        for p in (precision,) if precision else families[family]:
             if (family, p) not in picked:
                 picked.append((family, p))
     return picked
@@ -166,20 +167,16 @@ def make_peer(
         path = (
             gguf
             if same
-            else make_gguf_variant(gguf, cache_dir / f"{stem}-{_identity(gguf)}.{precision}.gguf", precision)
+            else make_gguf_variant(
+                gguf, cache_dir / f"{stem}-{source_identity(gguf)}.{precision}.gguf", precision
+            )
         )
         return LlamaCppPeer(path, precision, max_batch_size=max_batch_size, num_threads=num_threads)
     from pipeline.bench.peers.ctranslate2 import CTranslate2Peer, convert
 
     weights = sorted(hf_dir.glob("*.safetensors"))
-    model_dir = convert(hf_dir, cache_dir / f"ct2-{_identity(*weights)}-{precision}", precision)
+    model_dir = convert(hf_dir, cache_dir / f"ct2-{source_identity(*weights)}-{precision}", precision)
     return CTranslate2Peer(model_dir, precision, tokenizer, num_threads=num_threads)
-
-
-def _identity(*paths: Path) -> str:
-    """A short key for files: their resolved paths, sizes and modification times."""
-    facts = [f"{p.resolve()}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in paths]
-    return hashlib.sha256("|".join(facts).encode()).hexdigest()[:10]
 
 
 def run_peers(

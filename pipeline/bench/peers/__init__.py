@@ -8,7 +8,9 @@ their intended length (EOS ignored), as llmpipe's are with `min_tokens = max_tok
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Protocol
 
 from pipeline.bench.load import OnRecord, RunResult
@@ -85,3 +87,10 @@ def batch_result(
         records=records,
         extra={"precision": peer.precision, "engine": peer.system},
     )
+
+
+def source_identity(*paths: Path) -> str:
+    """A short key for a peer's converted model: its source files' resolved paths, sizes and modification
+    times, so a rebuilt checkpoint is converted again."""
+    facts = [f"{p.resolve()}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in paths]
+    return hashlib.sha256("|".join(facts).encode()).hexdigest()[:10]
