@@ -3,12 +3,14 @@ the tiny random Llama."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from pipeline.config.build_config import BuildConfig
@@ -119,3 +121,13 @@ def require_tritonserver() -> None:
         find_tritonserver()
     except ServingError as err:
         pytest.skip(f"no tritonserver: {err}")
+
+
+def soak_script() -> ModuleType:
+    """scripts/soak.py as a module: its soak and burst loads, expected texts and KV gauge reader."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / "soak.py"
+    spec = importlib.util.spec_from_file_location("llmpipe_soak", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -4,29 +4,18 @@ zero wrong answers, every stub the server started still alive after each burst, 
 
 from __future__ import annotations
 
-import importlib.util
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
 from pipeline.serving.server.health import HealthWatch
 from pipeline.serving.server.launcher import TritonServer
-from tests.serving_helpers import serve_tiny
+from tests.serving_helpers import serve_tiny, soak_script
 
 pytestmark = [pytest.mark.triton, pytest.mark.slow]
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "soak.py"
 BURSTS = 10
-
-
-def _soak_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("llmpipe_soak", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +32,7 @@ def test_ten_mixed_bursts_crash_no_stub_and_answer_every_request_right(
     roomy_server: TritonServer, tiny_engine_dir: Path
 ) -> None:
     tiny_server = roomy_server
-    soak = _soak_module()
+    soak = soak_script()
     expected = soak.expected_texts(tiny_engine_dir)
     assert tiny_server.process is not None
     watch = HealthWatch(tiny_server.process.pid, tiny_server.is_ready, ready_every_s=0.0)
