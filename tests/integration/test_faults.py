@@ -290,13 +290,15 @@ def test_a_tampered_engine_in_the_served_repository_fails_serve_naming_the_file(
     assert "ready in" not in out
 
 
-def _stream_until_cut(grpc_url: str, ended: dict[int, tuple[float, str]], index: int) -> None:
+def _stream_until_cut(
+    grpc_url: str, ended: dict[int, tuple[float, str]], index: int, streaming: threading.Event
+) -> None:
     """One long streamed request; records when it ended and how (finished, or the error it got)."""
     options = GenerationOptions(max_tokens=100, min_tokens=100, top_k=1)
     try:
         with GrpcClient(grpc_url, timeout_s=120) as client:
             for _ in client.stream("a b c", options):
-                pass
+                streaming.set()
         ended[index] = (time.monotonic(), "finished")
     except Exception as exc:  # noqa: BLE001 - what a client sees when its server dies is the point
         ended[index] = (time.monotonic(), f"error: {exc}")
@@ -313,10 +315,14 @@ def test_a_dead_stub_fails_in_flight_requests_at_once_and_serve_restarts_the_ser
         engine_stub = next(p for p, m in python_stubs(serve.server_pid()).items() if m == "tensorrt_llm")
         ended: dict[int, tuple[float, str]] = {}
         # twice the engine's batch: the rest wait in its queue, in flight all the same
-        clients = [threading.Thread(target=_stream_until_cut, args=(grpc_url, ended, i)) for i in range(8)]
+        streaming = threading.Event()
+        clients = [
+            threading.Thread(target=_stream_until_cut, args=(grpc_url, ended, i, streaming)) for i in range(8)
+        ]
         for client in clients:
             client.start()
-        time.sleep(0.5)
+        # killed at the first streamed token: the tiny model finishes all eight in well under a second
+        assert streaming.wait(timeout=60)
         os.kill(engine_stub, signal.SIGKILL)
         killed = time.monotonic()
         for client in clients:
