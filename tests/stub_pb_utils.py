@@ -106,8 +106,11 @@ class InferenceRequest:
         self._parameters = parameters  # JSON, as Triton hands them over
         self.inputs = {t.name(): t for t in inputs}
         self._request_id = request_id
-        self.requested_output_names = list(requested_output_names)
+        self._requested_output_names = list(requested_output_names)
         self.sender = ResponseSender()
+
+    def requested_output_names(self) -> list[str]:
+        return list(self._requested_output_names)
 
     def request_id(self) -> str:
         return self._request_id

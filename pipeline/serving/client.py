@@ -310,12 +310,14 @@ class GrpcClient:
         options: GenerationOptions,
         request_id: str | None = None,
         cancel_after: int | None = None,
+        outputs: Sequence[str] | None = None,
     ) -> Iterator[Chunk]:
         """Responses as they arrive, over the gRPC stream API. `cancel_after=N` cancels the request after
-        N responses (closing the stream with cancel_requests, as a client that goes away does)."""
+        N responses (closing the stream with cancel_requests, as a client that goes away does); `outputs`
+        names the outputs to have sent back (None: all)."""
         body = request_json(prompt, options)
-        for outputs in self.responses(body, request_id, cancel_after=cancel_after):
-            yield _chunk(outputs)
+        for response in self.responses(body, request_id, outputs=outputs, cancel_after=cancel_after):
+            yield _chunk(response)
 
     def _error(self, err: Any) -> ServingError:
         message = err.message() if hasattr(err, "message") and callable(err.message) else str(err)

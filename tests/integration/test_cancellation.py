@@ -13,14 +13,14 @@ shows the request stopped far short of max_tokens, every generated token having 
   before every engine step; the client gets "request timed out after ...s".
 - HTTP SSE client disconnect on /v2/models/<model>/generate_stream: Triton cancels the request when the
   connection closes; the models see it through is_cancelled(), polled every cancellation_check_period_ms=50.
-- gRPC stream cancel: tests/integration/test_triton.py::test_cancelled_streams_free_their_kv_blocks.
+- gRPC stream cancel, on the `ensemble` model (served by the BLS's code, serving.ensemble=bls) and in
+  tests/integration/test_triton.py::test_cancelled_streams_free_their_kv_blocks.
 The exact one-step mechanics are unit-tested on the engine thread (tests/unit/test_engine_core.py:
 test_cancel_takes_effect_within_one_step, test_is_cancelled_is_polled_before_every_step).
 
-NOTE: Triton 2.51 does not pass a cancellation on to the models inside an ENSEMBLE (it only stops between
-ensemble steps, and tensorrt_llm is one long step): a client that abandons an `ensemble` stream leaves
-tensorrt_llm generating until max_tokens or serving.request_timeout_s. That is why these tests cancel through
-tensorrt_llm_bls and tensorrt_llm, and why request_timeout_s must stay finite.
+Triton 2.51's own ensemble scheduler passes no cancellation on to a running step (it checks only before
+scheduling the next one, and tensorrt_llm is one long step), which is why the default `ensemble` is a Python
+model; serving.ensemble=triton keeps Triton's, and its test shows what that costs.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from pipeline.serving.client import GenerationOptions, GrpcClient
 from pipeline.serving.server.launcher import TritonServer
 from tests.serving_helpers import metric, scrape_metrics, serve_tiny
 
@@ -268,6 +269,7 @@ def _sse_events_then_disconnect(server: TritonServer, model: str, body: dict[str
 @pytest.mark.parametrize(
     ("model", "body"),
     [
+        ("ensemble", {"text_input": "Tell me a long story", "max_tokens": LONG, "stream": True}),
         ("tensorrt_llm_bls", {"text_input": "Tell me a long story", "max_tokens": LONG, "stream": True}),
         (
             "tensorrt_llm",
@@ -283,6 +285,20 @@ def _sse_events_then_disconnect(server: TritonServer, model: str, body: dict[str
 def test_sse_client_disconnect_aborts_the_request(server: TritonServer, model: str, body: dict) -> None:
     aborts, tokens_before, _, _ = _counts(server)
     assert _sse_events_then_disconnect(server, model, body, events=2) == 2
+    idle_after = _seconds_until_idle(server)
+    assert idle_after < IDLE_WITHIN_S, idle_after
+    tokens_after = _aborted_and_freed(server, aborts)
+    assert tokens_after - tokens_before < LONG
+
+
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_grpc_stream_cancel_aborts_the_request(server: TritonServer, model: str) -> None:
+    aborts, tokens_before, _, _ = _counts(server)
+    with GrpcClient(server.grpc_url, model) as client:
+        chunks = client.stream(
+            "Tell me a long story", GenerationOptions(max_tokens=LONG, stream=True), cancel_after=2
+        )
+        assert len(list(chunks)) == 2
     idle_after = _seconds_until_idle(server)
     assert idle_after < IDLE_WITHIN_S, idle_after
     tokens_after = _aborted_and_freed(server, aborts)

@@ -100,8 +100,8 @@ def _write_tiny_config(folder: Path, hf_dir: Path) -> Path:
     config = folder / "tiny.yaml"
     config.write_text(
         f"name: tiny-faults\nsource: {{kind: local, path: {hf_dir}}}\nbackend: torch\ndtype: float32\n"
-        "engine: {max_batch_size: 4, max_input_len: 64, max_seq_len: 128, max_num_tokens: 128}\n"
-        "kv_cache: {tokens_per_block: 16, max_tokens: 1024}\n"
+        "engine: {max_batch_size: 4, max_input_len: 64, max_seq_len: 1024, max_num_tokens: 128}\n"
+        "kv_cache: {tokens_per_block: 16, max_tokens: 4096}\n"
     )
     return config
 
@@ -239,7 +239,7 @@ def test_a_killed_python_stub_without_restarts_makes_serve_exit_nonzero(
         server = serve.server_pid()
         stubs = python_stubs(server)
         assert sorted(stubs.values()) == sorted(
-            ["preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls"]
+            ["ensemble", "preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls"]
         ), stubs
         engine_stub = next(pid for pid, model in stubs.items() if model == "tensorrt_llm")
         # serve runs the OpenAI-compatible API beside Triton, on the port its banner names
@@ -290,11 +290,14 @@ def test_a_tampered_engine_in_the_served_repository_fails_serve_naming_the_file(
     assert "ready in" not in out
 
 
+STREAM_TOKENS = 900  # two waves of the engine's batch of 4 at ~1 ms a step: about 2 s of decoding
+
+
 def _stream_until_cut(
     grpc_url: str, ended: dict[int, tuple[float, str]], index: int, streaming: threading.Event
 ) -> None:
     """One long streamed request; records when it ended and how (finished, or the error it got)."""
-    options = GenerationOptions(max_tokens=100, min_tokens=100, top_k=1)
+    options = GenerationOptions(max_tokens=STREAM_TOKENS, min_tokens=STREAM_TOKENS, top_k=1)
     try:
         with GrpcClient(grpc_url, timeout_s=120) as client:
             for _ in client.stream("a b c", options):
@@ -321,7 +324,8 @@ def test_a_dead_stub_fails_in_flight_requests_at_once_and_serve_restarts_the_ser
         ]
         for client in clients:
             client.start()
-        # killed at the first streamed token: the tiny model finishes all eight in well under a second
+        # killed at the first streamed token; the engine runs ahead of what the clients have read, and
+        # STREAM_TOKENS keeps it busy for seconds after that
         assert streaming.wait(timeout=60)
         os.kill(engine_stub, signal.SIGKILL)
         killed = time.monotonic()

@@ -62,7 +62,8 @@ def test_table_shows_the_speculation_columns_only_when_some_run_speculated() -> 
 def test_triton_outputs_become_token_counts_and_draft_counts() -> None:
     assert ensemble_token_count(np.zeros((1, 1, 3), np.float32)) == 3  # a 3-token speculative step
     assert ensemble_token_count([[[-0.1, -0.2]]]) == 2  # the same, from generate_stream's JSON
-    assert ensemble_token_count(None) == 1 and ensemble_token_count(np.zeros((1, 1, 0))) == 1
+    assert ensemble_token_count(None) == 1  # a deployment that returns no log-probs: one per response
+    assert ensemble_token_count(np.zeros((1, 1, 0))) == 0  # a closing response that only flushes text
     assert draft_counts(np.array([[7]], np.int32), np.array([[5]], np.int32)) == DraftCounts(7, 5)
     assert draft_counts([7], [5]) == DraftCounts(7, 5)
     assert draft_counts(None, None) is None

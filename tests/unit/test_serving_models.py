@@ -267,6 +267,76 @@ def test_bls_reports_bad_input_and_stops_engine_when_cancelled(
     assert _kv_used(engine_model) == 0
 
 
+def test_ensemble_model_answers_each_row_and_only_its_declared_outputs(
+    repos: dict[bool, Path], bls: tuple, tiny_engine_dir: Path, reference: LLMEngine
+) -> None:
+    """serving.ensemble=bls: the `ensemble` model is this code with the ensemble's tensors. A request of two
+    rows is two sequences, each streamed with its batch_index; the final flag comes once, after both; the
+    BLS's extension output_ids is not sent where the model does not declare it."""
+    model = _load(BlsModel, repos[True], "ensemble")
+    assert "output_ids" not in model.declared_outputs
+    tokenizer = load_tokenizer(tiny_engine_dir / "tokenizer")
+    prompts = ["The quick brown fox", MULTIBYTE_PROMPT]
+    lengths = [12, 20]
+    done = reference.generate(
+        [tokenizer.encode(p) for p in prompts],
+        [SamplingParams(max_tokens=n, temperature=0.0) for n in lengths],
+    )
+    expected = [tokenizer.decode(d.output_token_ids, skip_special_tokens=True) for d in done]
+    request = pb.make_request(
+        {
+            "text_input": np.array([[p.encode()] for p in prompts], dtype=object),
+            "max_tokens": np.array([[n] for n in lengths], np.int32),
+            "stream": np.array([[True], [True]]),
+            "return_log_probs": np.array([[True], [True]]),
+        }
+    )
+    model.execute([request])
+    responses = _wait(request.sender)
+    finals = [flags for _, flags in request.sender.sent if flags & pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL]
+    assert len(finals) == 1
+    texts = {0: "", 1: ""}
+    for response in responses:
+        assert "output_ids" not in response and "output_log_probs" in response
+        texts[int(response["batch_index"].reshape(-1)[0])] += response["text_output"].reshape(-1)[0].decode()
+    assert [texts[0], texts[1]] == expected
+
+
+def test_models_send_only_the_outputs_a_request_asked_for(
+    repos: dict[bool, Path], bls: tuple, engine_model: TorchEngineModel
+) -> None:
+    """What Triton 2.51's stub would otherwise drop itself, freeing the arrays without the GIL."""
+    model, _ = bls
+
+    def asking_for(names: list[str], inputs: dict[str, np.ndarray]) -> pb.InferenceRequest:
+        tensors = [pb.Tensor(k, v) for k, v in inputs.items()]
+        return pb.InferenceRequest(inputs=tensors, requested_output_names=names)
+
+    engine_request = asking_for(
+        ["output_ids"],
+        {
+            "input_ids": np.array([[1, 57, 300]], np.int32),
+            "input_lengths": np.array([[3]], np.int32),
+            "request_output_len": np.array([[8]], np.int32),
+            "streaming": np.array([[True]]),
+            "return_log_probs": np.array([[True]]),
+        },
+    )
+    bls_request = asking_for(
+        ["text_output"],
+        {
+            "text_input": np.array([[b"hello"]], dtype=object),
+            "max_tokens": np.array([[8]], np.int32),
+            "stream": np.array([[True]]),
+            "return_log_probs": np.array([[True]]),
+        },
+    )
+    engine_model.execute([engine_request])
+    model.execute([bls_request])
+    assert {name for r in _wait(engine_request.sender) for name in r} == {"output_ids"}
+    assert {name for r in _wait(bls_request.sender) for name in r} == {"text_output"}
+
+
 def test_pre_and_postprocessing_models_round_trip(repos: dict[bool, Path], tiny_engine_dir: Path) -> None:
     pre, post = (
         _load(PreprocessingModel, repos[True], "preprocessing"),

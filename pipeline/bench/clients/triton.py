@@ -5,8 +5,8 @@ Two models can be driven: `ensemble` (text in, text out: tokenization and detoke
 user calls) and `tensorrt_llm` (token ids in and out, like tensorrtllm_backend's benchmark_core_model.py).
 Each streamed response is one engine step's delta for the request. The tensorrt_llm model's ids say how
 many tokens it holds; the ensemble's text does not, so its tokens are counted from output_log_probs (one
-value per token in llmpipe's responses, also with speculative decoding's several tokens per step), else
-as one per response. Where the model takes `return_perf_metrics`, requests set it and the final
+value per token in llmpipe's responses, also with speculative decoding's several tokens per step, none in
+a closing response that carries no new token), else as one per response. Where the model takes `return_perf_metrics`, requests set it and the final
 response's acceptance outputs become the record's draft counts.
 """
 
@@ -79,9 +79,9 @@ def draft_counts(num_draft_tokens: Any, num_accepted_draft_tokens: Any) -> Draft
 
 
 def ensemble_token_count(output_log_probs: Any) -> int:
-    """Tokens in one ensemble response: its log-prob values, one per token; 1 when it carries none."""
-    size = 0 if output_log_probs is None else int(np.asarray(output_log_probs).size)
-    return size or 1
+    """Tokens in one ensemble response: its log-prob values, one per token (none in a stream's closing
+    response that only flushes held-back text); 1 when the deployment returns no log-probs."""
+    return 1 if output_log_probs is None else int(np.asarray(output_log_probs).size)
 
 
 def _request_body(

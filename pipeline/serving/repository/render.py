@@ -7,12 +7,17 @@ Layout (relocatable: paths inside are relative to each model's version folder), 
 
 inflight_batcher_llm (templates/<model>/):
 
-    ensemble/config.pbtxt, ensemble/1/
+    ensemble/config.pbtxt, ensemble/1/{model.py, tokenizer/}                 (serving.ensemble=bls, the default)
+    ensemble/config.pbtxt, ensemble/1/                                       (serving.ensemble=triton)
     preprocessing/config.pbtxt, preprocessing/1/{model.py, tokenizer/}
     tensorrt_llm/config.pbtxt, tensorrt_llm/1/{model.py, engine/}      (torch: engine hard-linked in)
     postprocessing/config.pbtxt, postprocessing/1/{model.py, tokenizer/}
     tensorrt_llm_bls/config.pbtxt, tensorrt_llm_bls/1/{model.py, tokenizer/}
     tensorrt_llm_draft/config.pbtxt, tensorrt_llm_draft/1/                (trtllm draft-target only)
+
+serving.ensemble=bls keeps the ensemble's tensors (templates/ensemble) and serves them with the BLS's code
+and parameters (templates/tensorrt_llm_bls): Triton's ensemble scheduler checks a client's cancellation only
+between steps, never inside the long tensorrt_llm step, while the BLS stops its engine request.
 
 TensorRT-LLM's draft-target speculation (trtllm, speculative.mode=draft_model) runs in the BLS: the draft
 engine is served as `tensorrt_llm_draft` (the tensorrt_llm template, like tensorrtllm_backend's copy of it)
@@ -44,8 +49,10 @@ from pipeline.serving.repository.engine_parameters import engine_parameters, pbt
 from pipeline.serving.repository.pbtxt import check_ensemble, parse_model_config
 
 MODELS = ("ensemble", "preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls")
+ENSEMBLE_MODEL = "ensemble"
+BLS_MODEL = "tensorrt_llm_bls"
 DRAFT_MODEL = "tensorrt_llm_draft"
-TOKENIZER_MODELS = ("preprocessing", "postprocessing", "tensorrt_llm_bls")
+TOKENIZER_MODELS = ("preprocessing", "postprocessing", BLS_MODEL)
 LLMAPI_TEMPLATES = "llmapi"  # templates/llmapi/tensorrt_llm: the one model of serving.interface=llmapi
 ENGINE_MODEL = "tensorrt_llm"
 TEMPLATE_NAME = "config.pbtxt.tmpl"
@@ -247,9 +254,50 @@ def render_configs(
     for model, (template, model_values) in texts.items():
         rendered[model] = render_template(model, _read_template(templates, template), model_values)
         parsed[model] = parse_model_config(model, rendered[model])
-    if "ensemble" in parsed:
-        check_ensemble(parsed)
+    if ENSEMBLE_MODEL in parsed:
+        check_ensemble(parsed)  # the wiring stays checked: serving.ensemble=triton serves it as it is
+        if cfg.serving.ensemble == "bls":
+            rendered[ENSEMBLE_MODEL] = bls_ensemble_config(parsed[ENSEMBLE_MODEL], parsed[BLS_MODEL])
+            parse_model_config(ENSEMBLE_MODEL, rendered[ENSEMBLE_MODEL])
     return rendered
+
+
+def bls_ensemble_config(ensemble: Any, bls: Any) -> str:
+    """serving.ensemble=bls: the ensemble's name and tensors, with the BLS's backend, transaction policy,
+    parameters and instances instead of Triton's ensemble scheduling."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    config = model_config_pb2.ModelConfig()
+    config.CopyFrom(ensemble)
+    config.ClearField("platform")
+    config.ClearField("ensemble_scheduling")
+    config.backend = bls.backend
+    config.model_transaction_policy.CopyFrom(bls.model_transaction_policy)
+    for key, value in bls.parameters.items():
+        config.parameters[key].CopyFrom(value)
+    config.instance_group.extend(bls.instance_group)
+    header = (
+        "# Rendered by `llmpipe package` (serving.ensemble=bls): the tensors of "
+        f"pipeline/serving/templates/{ENSEMBLE_MODEL}/{TEMPLATE_NAME},\n"
+        f"# served by the code and parameters of pipeline/serving/templates/{BLS_MODEL}: one Python model "
+        "tokenizes, calls\n# tensorrt_llm and detokenizes, and stops the engine request of a client that "
+        "cancels. serving.ensemble=triton\n# renders Triton's ensemble scheduler "
+        "(preprocessing -> tensorrt_llm -> postprocessing) instead.\n"
+    )
+    return header + text_format.MessageToString(config)
+
+
+def _tokenizer_models(cfg: BuildConfig) -> tuple[str, ...]:
+    if cfg.serving.interface == "llmapi":
+        return ()
+    return (*TOKENIZER_MODELS, *((ENSEMBLE_MODEL,) if cfg.serving.ensemble == "bls" else ()))
+
+
+def _model_shim(cfg: BuildConfig, templates: Path, model: str) -> Path:
+    """The model.py a model's version folder gets (absent: the model has none)."""
+    code = BLS_MODEL if model == ENSEMBLE_MODEL and cfg.serving.ensemble == "bls" else model
+    return templates / code / "1" / "model.py"
 
 
 def repository_models(cfg: BuildConfig) -> list[str]:
@@ -290,7 +338,7 @@ def render_model_repository(
         if llmapi:
             _write_llmapi_model(cfg, templates, version)
             continue
-        shim = templates / model / "1" / "model.py"
+        shim = _model_shim(cfg, templates, model)
         if shim.is_file() and (model != "tensorrt_llm" or carries_engine):
             shutil.copyfile(shim, version / "model.py")  # a copy: the stub writes __pycache__ beside it
     if carries_engine:
@@ -300,12 +348,13 @@ def render_model_repository(
             shutil.copyfile(
                 engine_dir / MANIFEST_NAME, out_dir / "tensorrt_llm" / "1" / ENGINE_SUBDIR / MANIFEST_NAME
             )
-    tokenizer_models = () if llmapi else TOKENIZER_MODELS
+    tokenizer_models = _tokenizer_models(cfg)
     for model in tokenizer_models:
         link_tree(engine_dir / TOKENIZER_SUBDIR, out_dir / model / "1" / TOKENIZER_SUBDIR)
     facts: dict[str, Any] = {
         "models": list(configs),
         "interface": cfg.serving.interface,
+        "ensemble": None if llmapi else cfg.serving.ensemble,
         "backend": cfg.backend,
         "triton_backend": "python" if carries_engine else "tensorrtllm",
         "decoupled": cfg.serving.decoupled,

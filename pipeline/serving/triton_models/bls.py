@@ -2,8 +2,11 @@
 calls `tensorrt_llm` through BLS, and detokenizes incrementally, so streamed text is exact for every
 tokenizer (multi-byte characters, SentencePiece spaces) and concatenated deltas equal the whole text.
 
-Each request is served by its own thread (`execute` returns at once), so requests stream concurrently
-even with one BLS instance. A client that cancels gets its engine request stopped with `stop=true`.
+Each request row is served by its own thread (`execute` returns at once), so requests stream concurrently
+even with one BLS instance; a request of several rows is several sequences, each answered with its
+batch_index (bls_replies). A client that cancels gets its engine requests stopped with `stop=true`. The
+`ensemble` model runs this code too (serving.ensemble=bls), with the ensemble's tensors. A response carries
+only the outputs its request asked for (all of its model's, when a client names none).
 
 With a draft model (`tensorrt_llm_draft_model_name`, TensorRT-LLM's draft-target flow) a request with
 num_draft_tokens > 0 (the input, else the `num_draft_tokens` parameter) runs draft_target's loop instead;
@@ -27,6 +30,7 @@ import triton_python_backend_utils as pb_utils
 
 from pipeline.serving.triton_models import draft_target
 from pipeline.serving.triton_models import triton_utils as tu
+from pipeline.serving.triton_models.bls_replies import RequestReplies, RowReplies
 from pipeline.serving.triton_models.bls_text import TextAssembler
 from pipeline.serving.triton_models.io import (
     BLS_INPUTS,
@@ -36,6 +40,7 @@ from pipeline.serving.triton_models.io import (
     check_no_parameters,
     scalar,
     speculative_outputs,
+    split_rows,
     word_list_to_sequences,
 )
 from pipeline.serving.triton_models.preprocessing import preprocess
@@ -52,9 +57,12 @@ CANCEL_CHECK_PERIOD_S = 0.05
 # - The stub's cleanup thread erases a finished iterator from its map without the GIL; when that drops the
 #   last reference, the responses' numpy arrays are freed without the GIL and the stub dies (SIGSEGV in
 #   libpython's _PyObject_Malloc). Hence finished iterators are kept referenced here for _RETIRED_KEEP_S, so
-#   Python, with the GIL, drops the last reference. (python_backend fixed this later: #390, Dec 2024.)
+#   Python, with the GIL, drops the last reference. (python_backend fixed this later: #390, Dec 2024.) The
+#   stub queues that erase when the iteration ends and its utility thread gets to it within milliseconds,
+#   so 3 s is ample; longer costs memory, since a kept iterator holds every response of its call (kept 10 s,
+#   they came to ~60 MB of the stub and ~30 MB of tritonserver under a soak of ~20 requests/s).
 _BLS_LOCK = threading.Lock()
-_RETIRED_KEEP_S = 10.0
+_RETIRED_KEEP_S = 3.0
 # What an engine call asks for: the tokens and log-probs, SPEC_OUTPUTS when the client set
 # return_perf_metrics, and the logits it asked for (return_context_logits / return_generation_logits).
 _TEXT_OUTPUTS = ("output_ids", "sequence_length", *LOG_PROB_OUTPUTS)
@@ -142,15 +150,12 @@ def plan_request(
     max_seq_len: int | None,
     default_exclude_input: bool,
 ) -> BlsPlan:
-    """Client tensors -> the tensorrt_llm request. Raises InvalidInputError."""
+    """One row's client tensors (batch dimension 1) -> the tensorrt_llm request. Raises InvalidInputError."""
     text, ids = inputs.get("text_input"), inputs.get("input_ids")
     if (text is None) == (ids is None):
         raise InvalidInputError(
             "text_input", None, "send the prompt as text_input or as token ids in input_ids, one of them"
         )
-    prompt_input = text if text is not None else ids
-    if prompt_input is not None and prompt_input.shape[0] != 1:
-        raise InvalidInputError("text_input", f"batch of {prompt_input.shape[0]}", "one prompt per request")
     pre_inputs = {_TO_PREPROCESS[k]: v for k, v in inputs.items() if k in _TO_PREPROCESS}
     if ids is not None:
         # Preprocessing derives the other tensors (stop words, end id) from a text row; the ids then
@@ -215,6 +220,8 @@ class BlsModel:
 
     def initialize(self, args: dict[str, Any]) -> None:
         config = json.loads(args["model_config"])
+        self.model_name = args["model_name"]
+        self.declared_outputs = frozenset(output["name"] for output in config["output"])
         params = tu.ModelParameters(args["model_name"], config)
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         self.engine_decoupled = params.boolean("decoupled_mode", self.decoupled)
@@ -244,33 +251,37 @@ class BlsModel:
             sender = request.get_response_sender()
             try:
                 check_no_parameters(request.parameters())
+                prompt = "text_input" if "text_input" in inputs else "input_ids"
+                rows = split_rows(inputs, decoupled=self.decoupled, prompt=prompt)
             except InvalidInputError as err:
                 sender.send(tu.error_response(str(err)), flags=tu.FINAL)
                 continue
-            threading.Thread(
-                target=self._serve, args=(inputs, sender), name="llmpipe-bls", daemon=True
-            ).start()
+            replies = RequestReplies(sender, len(rows), tu.requested_outputs(request, self.declared_outputs))
+            for index, row in enumerate(rows):
+                threading.Thread(
+                    target=self._serve, args=(row, replies.row(index)), name="llmpipe-bls", daemon=True
+                ).start()
         return None
 
-    def _serve(self, inputs: dict[str, np.ndarray], sender: Any) -> None:
+    def _serve(self, inputs: dict[str, np.ndarray], replies: RowReplies) -> None:
         try:
             plan = plan_request(self.encoder, inputs, self.max_seq_len, self.exclude_input_in_output)
             if plan.streaming and not self.decoupled:
                 raise InvalidInputError("stream", True, "this deployment is not decoupled and cannot stream")
             num_drafts = self._num_draft_tokens(plan)
         except InvalidInputError as err:
-            sender.send(tu.error_response(str(err)), flags=tu.FINAL)
+            replies.fail(str(err))
             return
         try:
             if num_drafts:
-                self._generate_draft_target(plan, num_drafts, sender)
+                self._generate_draft_target(plan, num_drafts, replies)
             else:
-                self._generate(plan, sender)
+                self._generate(plan, replies)
         except EngineCallError as err:
-            sender.send(tu.error_response(str(err), invalid_argument=err.invalid_argument), flags=tu.FINAL)
+            replies.fail(str(err), invalid_argument=err.invalid_argument)
         except Exception as err:  # never let one request take the stub down
-            tu.log_error(f"tensorrt_llm_bls: request failed: {err!r}")
-            sender.send(tu.error_response(f"tensorrt_llm_bls: {err}", invalid_argument=False), flags=tu.FINAL)
+            tu.log_error(f"{self.model_name}: request failed: {err!r}")
+            replies.fail(f"{self.model_name}: {err}", invalid_argument=False)
 
     def _num_draft_tokens(self, plan: BlsPlan) -> int:
         wanted = self.num_draft_tokens if plan.num_draft_tokens is None else plan.num_draft_tokens
@@ -322,7 +333,7 @@ class BlsModel:
                 while now - self._retired[0][0] > _RETIRED_KEEP_S:
                     self._retired.popleft()
 
-    def _generate(self, plan: BlsPlan, sender: Any) -> None:
+    def _generate(self, plan: BlsPlan, replies: RowReplies) -> None:
         request_id = f"bls-{uuid.uuid4().hex}"
         assembler = TextAssembler(self.encoder.tokenizer, plan, self.skip_special_tokens)
         cancelled, next_check = False, 0.0
@@ -333,7 +344,7 @@ class BlsModel:
             # is_cancelled() is an IPC round trip: ask at most every CANCEL_CHECK_PERIOD_S, not per token.
             if not cancelled and time.monotonic() >= next_check:
                 next_check = time.monotonic() + CANCEL_CHECK_PERIOD_S
-                if sender.is_cancelled():
+                if replies.is_cancelled():
                     cancelled = True
                     self._stop_engine(request_id)
             if cancelled:
@@ -345,11 +356,8 @@ class BlsModel:
                 continue
             delta = assembler.add(engine)
             if delta is not None:
-                sender.send(tu.make_response(delta))
-        if cancelled:
-            sender.send(flags=tu.FINAL)
-        else:
-            sender.send(tu.make_response(assembler.finish()), flags=tu.FINAL)
+                replies.send(delta)
+        replies.finish(None if cancelled else assembler.finish())
 
     def _call(self, model: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One non-streaming engine request; its outputs."""
@@ -360,7 +368,7 @@ class BlsModel:
             found.update(_as_numpy(response, _TEXT_OUTPUTS))
         return found
 
-    def _generate_draft_target(self, plan: BlsPlan, num_draft_tokens: int, sender: Any) -> None:
+    def _generate_draft_target(self, plan: BlsPlan, num_draft_tokens: int, replies: RowReplies) -> None:
         engine_inputs = plan.engine_inputs
         end_id = scalar(engine_inputs, "end_id")
         stop_words = engine_inputs.get("stop_words_list")
@@ -395,12 +403,12 @@ class BlsModel:
                 }
             )
             if delta is not None:
-                sender.send(tu.make_response(delta))
-            if sender.is_cancelled():  # between rounds: nothing of ours is left running in the engines
-                sender.send(flags=tu.FINAL)
+                replies.send(delta)
+            if replies.is_cancelled():  # between rounds: nothing of ours is left running in the engines
+                replies.finish()
                 return
         assembler.speculative.update(speculative_outputs(num_drafts, num_accepted))
-        sender.send(tu.make_response(assembler.finish()), flags=tu.FINAL)
+        replies.finish(assembler.finish())
 
     def _stop_engine(self, request_id: str) -> None:
         """Cancel our engine request: tensorrtllm_backend's `stop` input, with the same request id."""

@@ -136,6 +136,7 @@ class EngineModel(abc.ABC):
         """Load the engine of `settings` and start serving it (`args` are initialize's); a load failure names
         `engine_dir_source`, where the engine folder was configured."""
         self.settings = settings
+        self.output_names = tuple(output["name"] for output in json.loads(args["model_config"])["output"])
         try:
             engine = LLMEngine.from_engine_dir(settings.engine_dir, settings.engine_args)
         except PipelineError as err:
@@ -192,7 +193,7 @@ class EngineModel(abc.ABC):
         return None
 
     def _enqueue(self, request: Any) -> None:
-        sender = request.get_response_sender()
+        sender = tu.response_sender(request, self.output_names)
         try:
             parsed = self._parse(request)
         except InvalidInputError as err:

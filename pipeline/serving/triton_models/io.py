@@ -137,17 +137,18 @@ def _array(inputs: Inputs, name: str) -> np.ndarray | None:
     return array[0]
 
 
-def split_rows(inputs: Inputs, *, decoupled: bool) -> list[dict[str, np.ndarray]]:
-    """A request's tensors, one dict per row (batch dimension 1 each). Rows are separate sequences; like
-    tensorrtllm_backend, more than one needs a decoupled deployment (one response stream per row)."""
+def split_rows(inputs: Inputs, *, decoupled: bool, prompt: str = "input_ids") -> list[dict[str, np.ndarray]]:
+    """A request's tensors, one dict per row (batch dimension 1 each); `prompt` names the input whose batch
+    the others must match. Rows are separate sequences; like tensorrtllm_backend, more than one needs a
+    decoupled deployment (one response stream per row)."""
     batches = {name: np.asarray(v).shape[0] for name, v in inputs.items() if np.asarray(v).ndim}
-    batch = batches.get("input_ids", max(batches.values(), default=1))
+    batch = batches.get(prompt, max(batches.values(), default=1))
     for name, size in sorted(batches.items()):
         if size != batch:
-            raise InvalidInputError(name, f"batch of {size}", f"must match input_ids' batch of {batch}")
+            raise InvalidInputError(name, f"batch of {size}", f"must match {prompt}'s batch of {batch}")
     if batch > 1 and not decoupled:
         raise InvalidInputError(
-            "input_ids",
+            prompt,
             f"batch of {batch}",
             "more than one sequence per request needs a decoupled deployment (serving.decoupled=true); "
             "or send one request per sequence",

@@ -5,7 +5,7 @@ Imported only inside a Triton stub (or a test that installs tests/stub_pb_utils.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +104,44 @@ def request_inputs(request: Any, names: Iterable[str]) -> dict[str, np.ndarray]:
         if tensor is not None:
             found[name] = tensor.as_numpy()
     return found
+
+
+def requested_outputs(request: Any, declared: Collection[str]) -> frozenset[str]:
+    """The outputs a request asks for: Triton fills in every declared one when a client names none."""
+    return frozenset(request.requested_output_names()) or frozenset(declared)
+
+
+def response_sender(request: Any, declared: Collection[str]) -> Any:
+    """The request's response sender, sending only the outputs the request asked for.
+
+    Triton 2.51's Python stub (python_backend r24.10) drops a response's unrequested outputs inside
+    ResponseSender.send after releasing the GIL, so their numpy arrays are freed without it, and now and then
+    the stub dies with SIGSEGV in numpy (python_backend #390 made it take the GIL, December 2024). Leaving
+    them out before the send drops them here, with the GIL. A request that asks for every output (what a
+    client that names none gets) keeps the stub's own sender."""
+    sender = request.get_response_sender()
+    wanted = requested_outputs(request, declared)
+    return sender if wanted >= frozenset(declared) else _RequestedOutputsSender(sender, wanted)
+
+
+class _RequestedOutputsSender:
+    def __init__(self, sender: Any, wanted: frozenset[str]) -> None:
+        self._sender = sender
+        self._wanted = wanted
+
+    def is_cancelled(self) -> bool:
+        return bool(self._sender.is_cancelled())
+
+    def send(self, response: Any = None, flags: int = 0) -> None:
+        if response is None:
+            self._sender.send(flags=flags)
+            return
+        if not response.has_error():
+            tensors = response.output_tensors()
+            kept = [tensor for tensor in tensors if tensor.name() in self._wanted]
+            if len(kept) < len(tensors):
+                response = pb_utils.InferenceResponse(output_tensors=kept)
+        self._sender.send(response, flags=flags)
 
 
 def make_response(outputs: Mapping[str, np.ndarray]) -> Any:
