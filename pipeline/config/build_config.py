@@ -264,13 +264,14 @@ class ServingSection(_Strict):
         "llmapi = one text-in, text-out model tensorrt_llm with sampling_param_* inputs (torch and "
         "trtllm_pytorch). None = the backend's own: llmapi on trtllm_pytorch, else inflight_batcher_llm.",
     )
-    ensemble: Literal["bls", "triton"] = Field(
-        "bls",
-        description="What answers at the `ensemble` model (inflight_batcher_llm): bls = a Python model running "
-        "the BLS's code with the ensemble's tensors (tokenize, call tensorrt_llm, detokenize), which passes a "
-        "client's cancellation on to tensorrt_llm, so a dropped stream frees its KV blocks within a step; "
-        "triton = Triton's ensemble scheduler (platform ensemble, tensorrtllm_backend's own layout), which "
-        "passes no cancellation to a running step: a dropped stream runs to max_tokens or request_timeout_s.",
+    ensemble: Literal["triton", "bls"] = Field(
+        "triton",
+        description="What answers at the `ensemble` model (inflight_batcher_llm): triton = Triton's ensemble "
+        "scheduler (platform ensemble, tensorrtllm_backend's own layout), which passes no cancellation to a "
+        "running step: a dropped stream runs to max_tokens or request_timeout_s; bls = a Python model running "
+        "the BLS's code with the ensemble's tensors, which stops the engine request of a client that cancels "
+        "(KV freed within a step) but, like tensorrt_llm_bls, takes the stub's BLS calls one at a time: "
+        "slower streams at high concurrency.",
     )
     decoupled: bool = Field(True, description="Decoupled transaction policy (needed for streaming).")
     streaming: bool = Field(True, description="Allow streamed responses (requires decoupled).")

@@ -13,14 +13,15 @@ shows the request stopped far short of max_tokens, every generated token having 
   before every engine step; the client gets "request timed out after ...s".
 - HTTP SSE client disconnect on /v2/models/<model>/generate_stream: Triton cancels the request when the
   connection closes; the models see it through is_cancelled(), polled every cancellation_check_period_ms=50.
-- gRPC stream cancel, on the `ensemble` model (served by the BLS's code, serving.ensemble=bls) and in
+- gRPC stream cancel, on tensorrt_llm_bls and on the `ensemble` model served by the BLS's code
+  (serving.ensemble=bls, as this module's server is), and in
   tests/integration/test_triton.py::test_cancelled_streams_free_their_kv_blocks.
 The exact one-step mechanics are unit-tested on the engine thread (tests/unit/test_engine_core.py:
 test_cancel_takes_effect_within_one_step, test_is_cancelled_is_polled_before_every_step).
 
-Triton 2.51's own ensemble scheduler passes no cancellation on to a running step (it checks only before
-scheduling the next one, and tensorrt_llm is one long step), which is why the default `ensemble` is a Python
-model; serving.ensemble=triton keeps Triton's, and its test shows what that costs.
+Triton 2.51's own ensemble scheduler (serving.ensemble=triton, the default) passes no cancellation on to a
+running step (it checks only before scheduling the next one, and tensorrt_llm is one long step): there a
+cancelled ensemble stream runs on to max_tokens or serving.request_timeout_s.
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ def server(
     """Not the shared tiny_server: this one serves TIMED_MODEL too, and its gauges and counters see this
     module's requests alone."""
     repo = tmp_path_factory.mktemp("cancellation") / "model_repo"
-    with serve_tiny(tiny_llama_dir, tiny_engine_dir, repo, prepare=_add_timed_model) as srv:
+    serving = {"ensemble": "bls"}  # the ensemble that passes cancellation on
+    with serve_tiny(tiny_llama_dir, tiny_engine_dir, repo, prepare=_add_timed_model, serving=serving) as srv:
         yield srv
 
 

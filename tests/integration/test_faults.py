@@ -239,7 +239,7 @@ def test_a_killed_python_stub_without_restarts_makes_serve_exit_nonzero(
         server = serve.server_pid()
         stubs = python_stubs(server)
         assert sorted(stubs.values()) == sorted(
-            ["ensemble", "preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls"]
+            ["preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls"]
         ), stubs
         engine_stub = next(pid for pid, model in stubs.items() if model == "tensorrt_llm")
         # serve runs the OpenAI-compatible API beside Triton, on the port its banner names

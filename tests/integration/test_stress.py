@@ -47,7 +47,7 @@ def test_ten_bursts_crash_no_stub_and_answer_every_request_right(
         run = functools.partial(soak.subset_burst, max_tokens=SUBSET_TOKENS)
     assert tiny_server.process is not None
     watch = HealthWatch(tiny_server.process.pid, tiny_server.is_ready, ready_every_s=0.0)
-    assert len(watch.stubs) >= 5, watch.stubs
+    assert len(watch.stubs) >= 4, watch.stubs
     for n in range(BURSTS):
         report = run(tiny_server, expected)
         print(f"burst {n + 1}: {report}")

@@ -90,25 +90,25 @@ def test_non_decoupled_and_trtllm_variants(
     assert not (trt / "tensorrt_llm" / "1" / "engine").exists()
 
 
-def test_the_ensemble_runs_the_bls_code_unless_serving_ensemble_is_triton(
+def test_serving_ensemble_bls_serves_the_ensembles_tensors_with_the_bls_code(
     repo: Path, tiny_llama_dir: Path, tiny_engine_dir: Path, tmp_path: Path
 ) -> None:
-    ensemble, bls = _config(repo, "ensemble"), _config(repo, "tensorrt_llm_bls")
+    python = tmp_path / "bls"
+    render_model_repository(tiny_config(tiny_llama_dir, serving={"ensemble": "bls"}), tiny_engine_dir, python)
+    ensemble, bls = _config(python, "ensemble"), _config(python, "tensorrt_llm_bls")
     assert ensemble.backend == "python" and not ensemble.platform and not ensemble.ensemble_scheduling.step
     assert ensemble.model_transaction_policy.decoupled and ensemble.max_batch_size == bls.max_batch_size
     assert dict(ensemble.parameters) == dict(bls.parameters) and list(ensemble.instance_group) == list(
         bls.instance_group
     )
-    assert (repo / "ensemble" / "1" / "model.py").read_text() == (
-        repo / "tensorrt_llm_bls" / "1" / "model.py"
+    assert (python / "ensemble" / "1" / "model.py").read_text() == (
+        python / "tensorrt_llm_bls" / "1" / "model.py"
     ).read_text()
-    assert (repo / "ensemble" / "1" / "tokenizer" / "tokenizer.json").is_file()
+    assert (python / "ensemble" / "1" / "tokenizer" / "tokenizer.json").is_file()
 
-    scheduled = tmp_path / "triton"
-    cfg = tiny_config(tiny_llama_dir, serving={"ensemble": "triton"})
-    facts = render_model_repository(cfg, tiny_engine_dir, scheduled)
+    scheduled = repo  # the default: Triton's ensemble scheduler
     config = _config(scheduled, "ensemble")
-    assert config.platform == "ensemble" and facts["ensemble"] == "triton"
+    assert config.platform == "ensemble" and config.backend == ""
     assert [step.model_name for step in config.ensemble_scheduling.step] == [
         "preprocessing",
         "tensorrt_llm",

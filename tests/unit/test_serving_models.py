@@ -268,12 +268,14 @@ def test_bls_reports_bad_input_and_stops_engine_when_cancelled(
 
 
 def test_ensemble_model_answers_each_row_and_only_its_declared_outputs(
-    repos: dict[bool, Path], bls: tuple, tiny_engine_dir: Path, reference: LLMEngine
+    bls: tuple, tiny_llama_dir: Path, tiny_engine_dir: Path, reference: LLMEngine, tmp_path: Path
 ) -> None:
     """serving.ensemble=bls: the `ensemble` model is this code with the ensemble's tensors. A request of two
     rows is two sequences, each streamed with its batch_index; the final flag comes once, after both; the
     BLS's extension output_ids is not sent where the model does not declare it."""
-    model = _load(BlsModel, repos[True], "ensemble")
+    cfg = tiny_config(tiny_llama_dir, serving={"ensemble": "bls"})
+    render_model_repository(cfg, tiny_engine_dir, tmp_path / "repo")
+    model = _load(BlsModel, tmp_path / "repo", "ensemble")
     assert "output_ids" not in model.declared_outputs
     tokenizer = load_tokenizer(tiny_engine_dir / "tokenizer")
     prompts = ["The quick brown fox", MULTIBYTE_PROMPT]

@@ -7,8 +7,8 @@ Layout (relocatable: paths inside are relative to each model's version folder), 
 
 inflight_batcher_llm (templates/<model>/):
 
-    ensemble/config.pbtxt, ensemble/1/{model.py, tokenizer/}                 (serving.ensemble=bls, the default)
-    ensemble/config.pbtxt, ensemble/1/                                       (serving.ensemble=triton)
+    ensemble/config.pbtxt, ensemble/1/                                       (serving.ensemble=triton, the default)
+    ensemble/config.pbtxt, ensemble/1/{model.py, tokenizer/}                 (serving.ensemble=bls)
     preprocessing/config.pbtxt, preprocessing/1/{model.py, tokenizer/}
     tensorrt_llm/config.pbtxt, tensorrt_llm/1/{model.py, engine/}      (torch: engine hard-linked in)
     postprocessing/config.pbtxt, postprocessing/1/{model.py, tokenizer/}
