@@ -270,8 +270,8 @@ class ServingSection(_Strict):
         "scheduler (platform ensemble, tensorrtllm_backend's own layout), which passes no cancellation to a "
         "running step: a dropped stream runs to max_tokens or request_timeout_s; bls = a Python model running "
         "the BLS's code with the ensemble's tensors, which stops the engine request of a client that cancels "
-        "(KV freed within a step) but, like tensorrt_llm_bls, takes the stub's BLS calls one at a time: "
-        "slower streams at high concurrency.",
+        "(KV freed within a step) but, like tensorrt_llm_bls, starts each engine call only once the streams in "
+        "flight took their next response: later first tokens at high concurrency (README: Serving).",
     )
     decoupled: bool = Field(True, description="Decoupled transaction policy (needed for streaming).")
     streaming: bool = Field(True, description="Allow streamed responses (requires decoupled).")

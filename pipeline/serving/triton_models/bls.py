@@ -32,6 +32,7 @@ from pipeline.serving.triton_models import draft_target
 from pipeline.serving.triton_models import triton_utils as tu
 from pipeline.serving.triton_models.bls_replies import RequestReplies, RowReplies
 from pipeline.serving.triton_models.bls_text import TextAssembler
+from pipeline.serving.triton_models.bls_turns import BlsTurns
 from pipeline.serving.triton_models.io import (
     BLS_INPUTS,
     LOG_PROB_OUTPUTS,
@@ -51,9 +52,8 @@ CANCEL_CHECK_PERIOD_S = 0.05
 # from several threads at once, as this model does (one thread per request):
 # - ResponseIterator.__next__ takes back the GIL while holding the iterator's mutex, and exec(decoupled=True)
 #   waits for the stub's iterator-map mutex while holding the GIL: with the stub's response thread in
-#   between, the three deadlock and every BLS and ensemble request hangs. Hence _BLS_LOCK: exec and every
-#   next() of a decoupled BLS call run one thread at a time (released between responses, so requests still
-#   interleave).
+#   between, the three deadlock and every BLS and ensemble request hangs. Hence _BLS_TURNS (bls_turns): an
+#   exec runs while no thread waits in next(), and next() waits run side by side.
 # - The stub's cleanup thread erases a finished iterator from its map without the GIL; when that drops the
 #   last reference, the responses' numpy arrays are freed without the GIL and the stub dies (SIGSEGV in
 #   libpython's _PyObject_Malloc). Hence finished iterators are kept referenced here for _RETIRED_KEEP_S, so
@@ -61,7 +61,7 @@ CANCEL_CHECK_PERIOD_S = 0.05
 #   stub queues that erase when the iteration ends and its utility thread gets to it within milliseconds,
 #   so 3 s is ample; longer costs memory, since a kept iterator holds every response of its call (kept 10 s,
 #   they came to ~60 MB of the stub and ~30 MB of tritonserver under a soak of ~20 requests/s).
-_BLS_LOCK = threading.Lock()
+_BLS_TURNS = BlsTurns()
 _RETIRED_KEEP_S = 3.0
 # What an engine call asks for: the tokens and log-probs, SPEC_OUTPUTS when the client set
 # return_perf_metrics, and the logits it asked for (return_context_logits / return_generation_logits).
@@ -243,7 +243,11 @@ class BlsModel:
             add_special_tokens=params.boolean("add_special_tokens", True),
             max_input_len=params.optional_integer("max_input_len", minimum=1),
         )
-        self._retired: collections.deque[tuple[float, Any]] = collections.deque()  # see _BLS_LOCK
+        self._retired: collections.deque[tuple[float, Any]] = collections.deque()  # see _BLS_TURNS
+        # At most the engine's batch of this model's calls in flight (the BLS's max_batch_size is the engine's
+        # unless serving.triton_max_batch_size says otherwise): a call past it would wait in the engine's queue
+        # inside next(), and every new call would wait for that one (bls_turns).
+        self._engine_slots = threading.BoundedSemaphore(max(1, int(config.get("max_batch_size", 0))))
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
@@ -273,10 +277,11 @@ class BlsModel:
             replies.fail(str(err))
             return
         try:
-            if num_drafts:
-                self._generate_draft_target(plan, num_drafts, replies)
-            else:
-                self._generate(plan, replies)
+            with self._engine_slots:
+                if num_drafts:
+                    self._generate_draft_target(plan, num_drafts, replies)
+                else:
+                    self._generate(plan, replies)
         except EngineCallError as err:
             replies.fail(str(err), invalid_argument=err.invalid_argument)
         except Exception as err:  # never let one request take the stub down
@@ -312,15 +317,15 @@ class BlsModel:
     def _responses(self, request: Any) -> Iterable[Any]:
         if not self.engine_decoupled:
             return [request.exec(decoupled=False)]
-        with _BLS_LOCK:  # see _BLS_LOCK
+        with _BLS_TURNS.call():  # see _BLS_TURNS
             return self._iterate(request.exec(decoupled=True))
 
     def _iterate(self, responses: Any) -> Iterable[Any]:
-        """A decoupled BLS call's responses, each next() under _BLS_LOCK; the iterator is retired after."""
+        """A decoupled BLS call's responses, each next() in its turn; the iterator is retired after."""
         iterator = iter(responses)
         try:
             while True:
-                with _BLS_LOCK:
+                with _BLS_TURNS.response():
                     try:
                         response = next(iterator)
                     except StopIteration:
