@@ -39,9 +39,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pipeline.serving.client import GenerationOptions, GrpcClient
+from pipeline.serving.client import GenerationOptions, GrpcClient, HttpClient
 from pipeline.serving.server.launcher import TritonServer
-from tests.serving_helpers import metric, scrape_metrics, serve_tiny
+from tests.serving_helpers import MULTIBYTE_PROMPT, metric, scrape_metrics, serve_tiny
 
 pytestmark = pytest.mark.triton
 LONG = 1000  # max_tokens far past every cancellation below (max_seq_len is 1024)
@@ -305,3 +305,17 @@ def test_grpc_stream_cancel_aborts_the_request(server: TritonServer, model: str)
     assert idle_after < IDLE_WITHIN_S, idle_after
     tokens_after = _aborted_and_freed(server, aborts)
     assert tokens_after - tokens_before < LONG
+
+
+@pytest.mark.parametrize("prompt", ["The quick brown fox", MULTIBYTE_PROMPT])
+def test_the_bls_ensemble_answers_as_tensorrt_llm_bls_does(server: TritonServer, prompt: str) -> None:
+    """This module's `ensemble` is the BLS's code (serving.ensemble=bls), whole and streamed."""
+    whole = GenerationOptions(max_tokens=16)
+    texts = {
+        model: HttpClient(server.http_url, model).generate(prompt, whole).text
+        for model in ("ensemble", "tensorrt_llm_bls")
+    }
+    assert texts["ensemble"] == texts["tensorrt_llm_bls"] != ""
+    with GrpcClient(server.grpc_url, "ensemble") as client:
+        chunks = list(client.stream(prompt, GenerationOptions(max_tokens=16, stream=True)))
+    assert "".join(chunk.text for chunk in chunks) == texts["ensemble"] and len(chunks) > 1
