@@ -42,6 +42,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
+
 from pipeline.artifacts import MANIFEST_NAME, link_tree
 from pipeline.config.build_config import BuildConfig
 from pipeline.errors import ConfigError, MissingArtifactError
@@ -265,9 +268,6 @@ def render_configs(
 def bls_ensemble_config(ensemble: Any, bls: Any) -> str:
     """serving.ensemble=bls: the ensemble's name and tensors, with the BLS's backend, transaction policy,
     parameters and instances instead of Triton's ensemble scheduling."""
-    from google.protobuf import text_format
-    from tritonclient.grpc import model_config_pb2
-
     config = model_config_pb2.ModelConfig()
     config.CopyFrom(ensemble)
     config.ClearField("platform")

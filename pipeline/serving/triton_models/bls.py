@@ -50,10 +50,9 @@ from pipeline.serving.triton_models.tokenization import PromptEncoder
 CANCEL_CHECK_PERIOD_S = 0.05
 # Two bugs of the Python-backend stub of Triton 2.51 (python_backend r24.10) hit decoupled BLS calls made
 # from several threads at once, as this model does (one thread per request):
-# - ResponseIterator.__next__ takes back the GIL while holding the iterator's mutex, and exec(decoupled=True)
-#   waits for the stub's iterator-map mutex while holding the GIL: with the stub's response thread in
-#   between, the three deadlock and every BLS and ensemble request hangs. Hence _BLS_TURNS (bls_turns): an
-#   exec runs while no thread waits in next(), and next() waits run side by side.
+# - A decoupled exec beside a waking ResponseIterator.__next__ deadlocks the stub (bls_turns says how), and
+#   every BLS and ensemble request hangs. Hence _BLS_TURNS: an exec runs while no thread waits in next(),
+#   and next() waits run side by side.
 # - The stub's cleanup thread erases a finished iterator from its map without the GIL; when that drops the
 #   last reference, the responses' numpy arrays are freed without the GIL and the stub dies (SIGSEGV in
 #   libpython's _PyObject_Malloc). Hence finished iterators are kept referenced here for _RETIRED_KEEP_S, so
