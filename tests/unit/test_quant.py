@@ -133,6 +133,20 @@ def test_fp32_kernel_matches_torch(rows: int) -> None:
 
 
 @needs_kernels
+@pytest.mark.parametrize("in_f", [131, 576])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(in_f: int) -> None:
+    # Steps of few rows and of many run different vector forms (ymm / zmm on AVX-512): a sequence's logits must
+    # not change with how many other sequences share its decode step.
+    w = random_weight(37, in_f)
+    qweight, scales = primitives.quantize_int8_per_channel(w)
+    batch = torch.randn(17, in_f)
+    for gemm in (lambda x: kernels.gemm_f32(x, w), lambda x: kernels.gemm_int8(x, qweight, scales)):
+        together = gemm(batch)
+        for count in (1, 2, 3, 4, 6):
+            assert torch.equal(gemm(batch[:count]), together[:count]), count
+
+
+@needs_kernels
 @pytest.mark.parametrize(("group_size", "in_f"), INT4_CASES)
 def test_compiled_dequantizers_are_bit_identical(group_size: int, in_f: int) -> None:
     w = random_weight(37, in_f)

@@ -42,30 +42,94 @@ inline __m256 load8(const bf16* p) {  // widening is exact
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-// Dot products of NB weight rows (fp32 or int8, row stride ldw) with MB activation rows (row stride ldx).
-// `next` is where the following block's weights start: they are streamed into cache ahead of use.
-// NOTE: each (row, activation) dot is summed in the same order whatever NB and MB are.
-template <typename T, int NB, int MB>
+// Every dot product runs over k-steps of kStep weights. AVX-512 builds take 16 (two ymm halves or one zmm);
+// a row's products land in the same lane in either form, and the two halves add as the zmm's halves do before
+// one horizontal sum, so both forms give the same bits: a row's result never depends on which rows share its
+// step. The zmm form (Wide) runs steps of many rows, where it has the work to fill 512-bit units; the ymm form
+// (Narrow) runs steps of few rows, where 512-bit ops slowed some CPUs (Zen 4 splits them in two).
+#if defined(__AVX512F__)
+constexpr int kStep = 16;
+#else
+constexpr int kStep = 8;
+#endif
+
+struct Narrow {
+  __m256 h[kStep / 8];
+};
+
+inline void vzero(Narrow& a) {
+  #pragma GCC unroll 16
+  for (auto& h : a.h) h = _mm256_setzero_ps();
+}
+template <typename T>
+inline void vload(Narrow& a, const T* p) {
+  #pragma GCC unroll 16
+  for (int i = 0; i < kStep / 8; ++i) a.h[i] = load8(p + 8 * i);
+}
+inline void vfma(const Narrow& w, const Narrow& x, Narrow& acc) {
+  #pragma GCC unroll 16
+  for (int i = 0; i < kStep / 8; ++i) acc.h[i] = _mm256_fmadd_ps(w.h[i], x.h[i], acc.h[i]);
+}
+inline float vsum(const Narrow& a) {
+  __m256 s = a.h[0];
+  #pragma GCC unroll 16
+  for (int i = 1; i < kStep / 8; ++i) s = _mm256_add_ps(s, a.h[i]);
+  return hsum(s);
+}
+
+#if defined(__AVX512F__)
+struct Wide {
+  __m512 v;
+};
+
+inline void vzero(Wide& a) { a.v = _mm512_setzero_ps(); }
+inline void vload(Wide& a, const float* p) { a.v = _mm512_loadu_ps(p); }
+inline void vload(Wide& a, const int8_t* p) {
+  a.v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline void vload(Wide& a, const bf16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  a.v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline void vfma(const Wide& w, const Wide& x, Wide& acc) { acc.v = _mm512_fmadd_ps(w.v, x.v, acc.v); }
+inline float vsum(const Wide& a) {
+  return hsum(_mm256_add_ps(_mm512_castps512_ps256(a.v), _mm512_extractf32x8_ps(a.v, 1)));
+}
+#endif
+
+// Dot products of NB weight rows (fp32, int8 or bf16, row stride ldw) with MB activation rows (row stride ldx),
+// in vector form V (Narrow or Wide, see kStep). `next` is where the following block's weights start: they are
+// streamed into cache ahead of use.
+// NOTE: each (row, activation) dot is summed in the same order whatever V, NB and MB are.
+template <typename V, typename T, int NB, int MB>
 inline void dense_block(const float* x, int64_t ldx, const T* w, int64_t ldw, int64_t K, const void* next,
                         float out[NB][MB]) {
-  __m256 acc[NB][MB];
+  V acc[NB][MB];
+  #pragma GCC unroll 16
   for (int r = 0; r < NB; ++r)
-    for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_ps();
+    #pragma GCC unroll 16
+    for (int m = 0; m < MB; ++m) vzero(acc[r][m]);
   const char* pf = static_cast<const char*>(next);
   int64_t k = 0;
-  for (; k + 8 <= K; k += 8) {
-    for (int j = 0; j < NB * 8 * int(sizeof(T)); j += 64)
+  for (; k + kStep <= K; k += kStep) {
+    for (int j = 0; j < NB * kStep * int(sizeof(T)); j += 64)
       _mm_prefetch(pf + k * NB * sizeof(T) + j, _MM_HINT_T0);
-    __m256 xv[MB];
-    for (int m = 0; m < MB; ++m) xv[m] = _mm256_loadu_ps(x + m * ldx + k);
+    V xv[MB];
+    #pragma GCC unroll 16
+    for (int m = 0; m < MB; ++m) vload(xv[m], x + m * ldx + k);
+    #pragma GCC unroll 16
     for (int r = 0; r < NB; ++r) {
-      const __m256 wv = load8(w + r * ldw + k);
-      for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_fmadd_ps(wv, xv[m], acc[r][m]);
+      V wv;
+      vload(wv, w + r * ldw + k);
+      #pragma GCC unroll 16
+      for (int m = 0; m < MB; ++m) vfma(wv, xv[m], acc[r][m]);
     }
   }
+  #pragma GCC unroll 16
   for (int r = 0; r < NB; ++r)
+    #pragma GCC unroll 16
     for (int m = 0; m < MB; ++m) {
-      float s = hsum(acc[r][m]);
+      float s = vsum(acc[r][m]);
       for (int64_t t = k; t < K; ++t) s += to_f32(w[r * ldw + t]) * x[m * ldx + t];
       out[r][m] = s;
     }
@@ -82,6 +146,7 @@ using Bf16Activation = bf16;
 
 // x [M, K] fp32 (row stride ldx) -> xb [M, K] bf16.
 inline void round_rows_bf16(const float* x, int64_t M, int64_t K, int64_t ldx, bf16* xb) {
+  #pragma GCC unroll 16
   for (int64_t m = 0; m < M; ++m) {
     const float* xm = x + m * ldx;
     bf16* o = xb + m * K;
@@ -96,26 +161,68 @@ inline void round_rows_bf16(const float* x, int64_t M, int64_t K, int64_t ldx, b
   }
 }
 
+// dpbf16 forms of Narrow and Wide: a k-step holds 2 * kStep bf16 values, each lane summing a pair per op.
+struct NarrowBf16 {
+  __m256bh h[2];
+};
+struct WideBf16 {
+  __m512bh v;
+};
+template <typename V>
+struct Bf16Form;
+template <>
+struct Bf16Form<Narrow> {
+  using type = NarrowBf16;
+};
+template <>
+struct Bf16Form<Wide> {
+  using type = WideBf16;
+};
+
+inline void vload(NarrowBf16& a, const bf16* p) {
+  #pragma GCC unroll 16
+  for (int i = 0; i < 2; ++i)
+    a.h[i] = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * i));
+}
+inline void vdot(const NarrowBf16& w, const NarrowBf16& x, Narrow& acc) {
+  #pragma GCC unroll 16
+  for (int i = 0; i < 2; ++i) acc.h[i] = _mm256_dpbf16_ps(acc.h[i], w.h[i], x.h[i]);
+}
+inline void vload(WideBf16& a, const bf16* p) {
+  a.v = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(p));
+}
+inline void vdot(const WideBf16& w, const WideBf16& x, Wide& acc) { acc.v = _mm512_dpbf16_ps(acc.v, w.v, x.v); }
+
 // Dot products of NB bf16 weight rows with MB bf16 activation rows (row stride K for both), as dense_block.
-template <int NB, int MB>
+template <typename V, int NB, int MB>
 inline void bf16_block(const bf16* x, const bf16* w, int64_t K, const void* next, float out[NB][MB]) {
-  __m256 acc[NB][MB];
+  using B = typename Bf16Form<V>::type;
+  constexpr int step = 2 * kStep;
+  V acc[NB][MB];
+  #pragma GCC unroll 16
   for (int r = 0; r < NB; ++r)
-    for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_ps();
+    #pragma GCC unroll 16
+    for (int m = 0; m < MB; ++m) vzero(acc[r][m]);
   const char* pf = static_cast<const char*>(next);
   int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    for (int j = 0; j < NB * 16 * 2; j += 64) _mm_prefetch(pf + k * NB * 2 + j, _MM_HINT_T0);
-    __m256bh xv[MB];
-    for (int m = 0; m < MB; ++m) xv[m] = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + m * K + k));
+  for (; k + step <= K; k += step) {
+    for (int j = 0; j < NB * step * 2; j += 64) _mm_prefetch(pf + k * NB * 2 + j, _MM_HINT_T0);
+    B xv[MB];
+    #pragma GCC unroll 16
+    for (int m = 0; m < MB; ++m) vload(xv[m], x + m * K + k);
+    #pragma GCC unroll 16
     for (int r = 0; r < NB; ++r) {
-      const __m256bh wv = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * K + k));
-      for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_dpbf16_ps(acc[r][m], wv, xv[m]);
+      B wv;
+      vload(wv, w + r * K + k);
+      #pragma GCC unroll 16
+      for (int m = 0; m < MB; ++m) vdot(wv, xv[m], acc[r][m]);
     }
   }
+  #pragma GCC unroll 16
   for (int r = 0; r < NB; ++r)
+    #pragma GCC unroll 16
     for (int m = 0; m < MB; ++m) {
-      float s = hsum(acc[r][m]);
+      float s = vsum(acc[r][m]);
       for (int64_t t = k; t < K; ++t) s += to_f32(w[r * K + t]) * to_f32(x[m * K + t]);
       out[r][m] = s;
     }
@@ -263,10 +370,10 @@ struct DenseF32 {
   const float* w;
   template <int NB>
   void prepare(const Problem&, int64_t) const {}
-  template <int NB, int MB>
+  template <typename V, int NB, int MB>
   void block(const Problem& p, int64_t n0, int64_t m0, float out[NB][MB]) const {
     const float* wb = w + n0 * p.K;
-    dense_block<float, NB, MB>(p.x + m0 * p.ldx, p.ldx, wb, p.K, p.K, wb + NB * p.K, out);
+    dense_block<V, float, NB, MB>(p.x + m0 * p.ldx, p.ldx, wb, p.K, p.K, wb + NB * p.K, out);
   }
   float scale(int64_t) const { return 1.0f; }
 };
@@ -276,10 +383,10 @@ struct Int8 {
   const float* scales;
   template <int NB>
   void prepare(const Problem&, int64_t) const {}
-  template <int NB, int MB>
+  template <typename V, int NB, int MB>
   void block(const Problem& p, int64_t n0, int64_t m0, float out[NB][MB]) const {
     const int8_t* wb = w + n0 * p.K;
-    dense_block<int8_t, NB, MB>(p.x + m0 * p.ldx, p.ldx, wb, p.K, p.K, wb + NB * p.K, out);
+    dense_block<V, int8_t, NB, MB>(p.x + m0 * p.ldx, p.ldx, wb, p.K, p.K, wb + NB * p.K, out);
   }
   float scale(int64_t n) const { return scales[n]; }
 };
@@ -290,19 +397,19 @@ struct DenseBF16 {
   const Bf16Activation* xr;
   template <int NB>
   void prepare(const Problem&, int64_t) const {}
-  template <int NB, int MB>
+  template <typename V, int NB, int MB>
   void block(const Problem& p, int64_t n0, int64_t m0, float out[NB][MB]) const {
     const bf16* wb = w + n0 * p.K;
 #if defined(__AVX512BF16__)
-    bf16_block<NB, MB>(xr + m0 * p.K, wb, p.K, wb + NB * p.K, out);
+    bf16_block<V, NB, MB>(xr + m0 * p.K, wb, p.K, wb + NB * p.K, out);
 #else
-    dense_block<bf16, NB, MB>(xr + m0 * p.K, p.K, wb, p.K, p.K, wb + NB * p.K, out);
+    dense_block<V, bf16, NB, MB>(xr + m0 * p.K, p.K, wb, p.K, p.K, wb + NB * p.K, out);
 #endif
   }
   float scale(int64_t) const { return 1.0f; }
 };
 
-// Few activation rows (decode): dot the packed nibbles directly.
+// Few activation rows (decode): dot the packed nibbles directly (8-float vectors whatever V is).
 struct Int4Direct {
   const uint8_t* w;
   const float* scales;
@@ -312,7 +419,7 @@ struct Int4Direct {
   int64_t gs, G;
   template <int NB>
   void prepare(const Problem&, int64_t) const {}
-  template <int NB, int MB>
+  template <typename V, int NB, int MB>
   void block(const Problem& p, int64_t n0, int64_t m0, float out[NB][MB]) const {
     int4_block<NB, MB>(p.x + m0 * p.ldx, p.ldx, xp + m0 * p.K, xsum + m0 * G, G, w + n0 * (p.K / 2),
                        scales + n0 * G, zeros + n0 * G, p.K, gs, out);
@@ -342,18 +449,18 @@ struct Int4Tile {
       dequant_int4_row(w + (n0 + r) * ldw, scales + (n0 + r) * G, zeros + (n0 + r) * G, p.K, gs,
                        w + (n0 + NB) * ldw + r * ldw, tile<NB>(p) + r * p.K);
   }
-  template <int NB, int MB>
+  template <typename V, int NB, int MB>
   void block(const Problem& p, int64_t, int64_t m0, float out[NB][MB]) const {
     const float* t = tile<NB>(p);
-    dense_block<float, NB, MB>(p.x + m0 * p.ldx, p.ldx, t, p.K, p.K, t, out);
+    dense_block<V, float, NB, MB>(p.x + m0 * p.ldx, p.ldx, t, p.K, p.K, t, out);
   }
   float scale(int64_t) const { return 1.0f; }
 };
 
-template <int NB, int MB, typename Fmt>
+template <typename V, int NB, int MB, typename Fmt>
 inline void emit(const Fmt& f, const Problem& p, int64_t n0, int64_t m0) {
   float out[NB][MB];
-  f.template block<NB, MB>(p, n0, m0, out);
+  f.template block<V, NB, MB>(p, n0, m0, out);
   for (int r = 0; r < NB; ++r) {
     const int64_t n = n0 + r;
     const float s = f.scale(n), b = p.bias ? p.bias[n] : 0.0f;
@@ -364,44 +471,58 @@ inline void emit(const Fmt& f, const Problem& p, int64_t n0, int64_t m0) {
   }
 }
 
-// Activation rows per register tile: NB x kMaxRowsPerTile accumulators + the activation vectors + a weight
-// vector fill the 16 vector registers of AVX2, or the 32 that AVX-512VL gives 8-float vectors too.
-// NOTE: 16-float (zmm) vectors were measured too: ~5% faster at 16 rows, but 20-40% slower for one row (decode)
-// on this Zen 4 host, so the vectors stay 8 floats wide.
-#if defined(__AVX512VL__)
-constexpr int64_t kMaxRowsPerTile = 6;
-#else
-constexpr int64_t kMaxRowsPerTile = 3;
+// Activation rows per register tile: NB x rows accumulators + the activation vectors + a weight vector fill
+// the 16 vector registers of AVX2, or the 32 of AVX-512 (where a Narrow k-step takes two registers).
+constexpr int64_t kNarrowTileRows = 3;
+#if defined(__AVX512F__)
+constexpr int64_t kWideTileRows = 6;
+// Steps of this many rows or more run Wide. Measured (scripts/bench_kernels.py ab, SmolLM2-135M, 2 threads) on
+// Zen 5, whose 512-bit units are full width: at 16 rows the decoder layers took 0.84x (fp32), 0.82x (bf16) and
+// 0.60x (int8) of Narrow's time and the greedy head 0.61x; at 1-3 rows the two were within 10% either way
+// except int8 (Wide 0.8-0.9x). Zen 4 splits 512-bit ops: one row ran 20-40% slower in zmm there.
+constexpr int64_t kWideMinRows = 4;
 #endif
 
-template <int NB, typename Fmt>
+template <typename V, int64_t MaxRows, int NB, typename Fmt>
 inline void emit_rows(const Fmt& f, const Problem& p, int64_t n0, int64_t m0, int64_t count) {
   switch (count) {
-    case 1: emit<NB, 1>(f, p, n0, m0); break;
-    case 2: emit<NB, 2>(f, p, n0, m0); break;
-    case 3: emit<NB, 3>(f, p, n0, m0); break;
-#if defined(__AVX512VL__)
-    case 4: emit<NB, 4>(f, p, n0, m0); break;
-    case 5: emit<NB, 5>(f, p, n0, m0); break;
-    case 6: emit<NB, 6>(f, p, n0, m0); break;
-#endif
-    default: break;
+    case 1: emit<V, NB, 1>(f, p, n0, m0); break;
+    case 2: emit<V, NB, 2>(f, p, n0, m0); break;
+    case 3: emit<V, NB, 3>(f, p, n0, m0); break;
+    default:
+      if constexpr (MaxRows >= 6) {
+        if (count == 4) emit<V, NB, 4>(f, p, n0, m0);
+        if (count == 5) emit<V, NB, 5>(f, p, n0, m0);
+        if (count == 6) emit<V, NB, 6>(f, p, n0, m0);
+      }
+      break;
   }
 }
 
-// All activation rows against NB weight rows starting at n0; the NB rows stay in L1/L2 across row tiles. The
-// rows are split into the fewest tiles, of near-equal size: a lone 1-row tile would leave the FMA units
-// waiting on a single accumulator chain per weight row.
-template <int NB, typename Fmt>
-inline void rows(const Fmt& f, const Problem& p, int64_t n0) {
-  f.template prepare<NB>(p, n0);
-  const int64_t tiles = (p.M + kMaxRowsPerTile - 1) / kMaxRowsPerTile;
+// All activation rows against NB weight rows starting at n0, in tiles of at most MaxRows rows: the NB weight
+// rows stay in L1/L2 across tiles. The rows are split into the fewest tiles, of near-equal size: a lone 1-row
+// tile would leave the FMA units waiting on a single accumulator chain per weight row.
+template <typename V, int64_t MaxRows, int NB, typename Fmt>
+inline void row_tiles(const Fmt& f, const Problem& p, int64_t n0) {
+  const int64_t tiles = (p.M + MaxRows - 1) / MaxRows;
   int64_t m = 0;
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t count = (p.M - m) / (tiles - t) + ((p.M - m) % (tiles - t) != 0);
-    emit_rows<NB>(f, p, n0, m, count);
+    emit_rows<V, MaxRows, NB>(f, p, n0, m, count);
     m += count;
   }
+}
+
+template <int NB, typename Fmt>
+inline void rows(const Fmt& f, const Problem& p, int64_t n0) {
+  f.template prepare<NB>(p, n0);
+#if defined(__AVX512F__)
+  if (p.M >= kWideMinRows) {
+    row_tiles<Wide, kWideTileRows, NB>(f, p, n0);
+    return;
+  }
+#endif
+  row_tiles<Narrow, kNarrowTileRows, NB>(f, p, n0);
 }
 
 // Block b of NB weight rows (rows NB b .. NB b + NB - 1), or the rows left over past the last full block.

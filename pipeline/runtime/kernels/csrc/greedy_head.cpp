@@ -37,10 +37,10 @@ void greedy_argmax_int8(const float* x, int64_t R, int64_t K, const int8_t* qwei
     float best_logit = 0.0f;
     for (int64_t v = 0; v < V; ++v) {
       if (a[v] + l1 * error_per_l1[v] < best_lower) continue;
-      // NOTE: dense_block's per-row summation order does not depend on its block shape, so this equals the
-      // logit gemm_f32 computes for the same row (the sampling path's logits) bit for bit.
+      // NOTE: dense_block's per-row summation order depends neither on its block shape nor on its vector form,
+      // so this equals the logit gemm_f32 computes for the same row (the sampling path's logits) bit for bit.
       float logit[1][1];
-      dense_block<float, 1, 1>(xr, K, weight + v * K, K, K, weight + v * K, logit);
+      dense_block<Narrow, float, 1, 1>(xr, K, weight + v * K, K, K, weight + v * K, logit);
       if (best < 0 || logit[0][0] > best_logit) best = v, best_logit = logit[0][0];  // first maximum on ties
     }
     out[r] = best;
