@@ -14,10 +14,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pipeline.runtime.kernels import build
 from pipeline.runtime.kernels import ops as kernels
 from pipeline.runtime.kernels.build import cache_path, compile_cached, compiler_identity
 from pipeline.runtime.quant import primitives
-from pipeline.runtime.quant.linear import QuantLinear, fp32_linear
+from pipeline.runtime.quant.linear import QuantLinear, fp32_linear, max_kernel_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 needs_kernels = pytest.mark.skipif(
@@ -179,6 +180,16 @@ def test_kernels_read_strided_activation_rows() -> None:
     qweight, scales = primitives.quantize_int8_per_channel(random_weight(16, 131))
     ref = F.linear(x.contiguous(), primitives.dequantize_int8(qweight, scales))
     assert_close_rel(kernels.gemm_int8(x, qweight, scales), ref)
+
+
+def test_prefill_chunks_take_the_kernels_where_they_are_built_wide(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(build, "cpu_flags", lambda: frozenset({"avx2", "fma", *build.AVX512_CPU_FLAGS}))
+    monkeypatch.delenv(build.ISA_ENV, raising=False)
+    assert [max_kernel_rows(k) for k in ("fp32", "bf16", "int8", "int4")] == [2048, 32, 2048, 2048]
+    monkeypatch.setenv(build.ISA_ENV, "avx2")
+    assert [max_kernel_rows(k) for k in ("fp32", "bf16", "int8", "int4")] == [32, 32, 128, 64]
+    monkeypatch.setenv(build.ISA_ENV, "sse")  # refused when the kernels load; the torch path has no limit
+    assert max_kernel_rows("int8") == 128
 
 
 @pytest.mark.parametrize(("scheme", "group_size"), [("int8", None), ("int4", 64)])

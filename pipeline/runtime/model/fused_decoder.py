@@ -18,7 +18,7 @@ from pipeline.runtime.model.attention import Attention
 from pipeline.runtime.model.layers import DenseLinear, Linear
 from pipeline.runtime.model.weights import LayerWeights, ModelWeights, MoEWeights
 from pipeline.runtime.model_config import ModelConfig
-from pipeline.runtime.quant.linear import MAX_KERNEL_ROWS, QuantLinear
+from pipeline.runtime.quant.linear import QuantLinear, max_kernel_rows
 from pipeline.runtime.worker.attn_metadata import AttentionMetadata
 
 # The MLP activations the kernel computes (config.hidden_act values).
@@ -55,7 +55,7 @@ def _max_rows(linear: Linear) -> int:
     if isinstance(linear, QuantLinear):
         return linear.max_kernel_rows
     assert isinstance(linear, DenseLinear)
-    return MAX_KERNEL_ROWS["bf16" if linear.weight.dtype == torch.bfloat16 else "fp32"]
+    return max_kernel_rows("bf16" if linear.weight.dtype == torch.bfloat16 else "fp32")
 
 
 def _layer_linears(layer: LayerWeights) -> list[Linear | None]:

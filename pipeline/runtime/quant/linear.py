@@ -1,8 +1,8 @@
 """Weight-only quantized linear layers for the torch backend, plus a fast fp32 linear for decode.
 
 `QuantLinear` stores the tensors of `primitives.py` (the on-disk layout) as buffers and picks a path per call:
-the fused CPU kernel for few activation rows (decode), or dequantize + torch matmul for many (prefill), on CUDA,
-and wherever the kernels are unavailable. Both paths compute the same fp32 weights, so they agree to float
+the fused CPU kernel up to `max_kernel_rows` activation rows (decode; on AVX-512 builds prefill chunks too), else
+dequantize + torch matmul (many rows on AVX2 builds, CUDA, and wherever the kernels are unavailable). Both paths compute the same fp32 weights, so they agree to float
 rounding.
 """
 
@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.runtime.kernels import ops as kernels
+from pipeline.runtime.kernels.build import kernel_isa
 from pipeline.runtime.kernels.ops import kernels_available, kernels_unavailable_reason
 from pipeline.runtime.quant import primitives
 
@@ -25,16 +26,31 @@ __all__ = [
     "fp32_linear",
     "kernels_available",
     "kernels_unavailable_reason",
+    "max_kernel_rows",
 ]
 
 Scheme = Literal["int8", "int4"]
 SCHEMES: tuple[Scheme, ...] = ("int8", "int4")
 
-# Largest activation-row count sent to the kernels; above it, dequantize + torch matmul (MKL) is as fast or
-# faster. Measured with scripts/bench_quant_kernels.py on SmolLM2 shapes, 2 threads (benchmarks/NOTES.md):
-# at 128 rows int8 still ties or leads, int4 already loses on 3 of the 4 layer shapes; the fp32 GEMV ties
-# torch at 64 rows on 576x1536 and loses at 128.
-MAX_KERNEL_ROWS: dict[str, int] = {"fp32": 32, "bf16": 32, "int8": 128, "int4": 64}
+# Largest activation-row count sent to the kernels; above it, dequantize + torch matmul. AVX2 builds, measured
+# with scripts/bench_quant_kernels.py on SmolLM2 shapes, 2 threads (benchmarks/NOTES.md): at 128 rows int8
+# still ties or leads, int4 already loses on 3 of the 4 layer shapes; the fp32 GEMV ties torch at 64 rows on
+# 576x1536 and loses at 128.
+_AVX2_MAX_KERNEL_ROWS: dict[str, int] = {"fp32": 32, "bf16": 32, "int8": 128, "int4": 64}
+# AVX-512 builds run steps of 4+ rows in 512-bit vectors: on a Zen 5 (2 threads, 3072x576 and 576x1536) the
+# fp32, int8 and int4 kernels ran 1.1-3.7x the rate of torch's fp32 matmul (after dequantizing) at every row
+# count from 64 to 2048, so prefill chunks take them too. bf16 keeps oneDNN's bf16 GEMM for many rows.
+_AVX512_MAX_KERNEL_ROWS: dict[str, int] = {"fp32": 2048, "bf16": 32, "int8": 2048, "int4": 2048}
+
+
+def max_kernel_rows(kind: str) -> int:
+    """Most activation rows a linear with `kind` weights ("fp32", "bf16", "int8", "int4") sends to the kernels
+    built for this CPU."""
+    try:
+        wide = kernel_isa() != "avx2"
+    except ValueError:  # a bad LLMPIPE_KERNEL_ISA: no kernels load, so no limit applies
+        wide = False
+    return (_AVX512_MAX_KERNEL_ROWS if wide else _AVX2_MAX_KERNEL_ROWS)[kind]
 
 
 class QuantLinear(torch.nn.Module):
@@ -61,7 +77,7 @@ class QuantLinear(torch.nn.Module):
         self.group_size = group_size
         self.out_features = tensors["qweight"].shape[0]
         self.in_features = tensors["qweight"].shape[1] * (2 if scheme == "int4" else 1)
-        self.max_kernel_rows = MAX_KERNEL_ROWS[scheme]
+        self.max_kernel_rows = max_kernel_rows(scheme)
         for name in ("qweight", "scales", "zeros", "bias"):
             tensor = tensors.get(name)
             self.register_buffer(name, None if tensor is None else tensor.contiguous())
@@ -143,7 +159,7 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     lm_head). `weight` [out, in] fp32 must be contiguous to take the kernel path."""
     if (
         x.dim() == 2
-        and x.shape[0] <= MAX_KERNEL_ROWS["fp32"]
+        and x.shape[0] <= max_kernel_rows("fp32")
         and _kernel_ok(x)
         and fp32_kernel_weight(weight)
     ):
