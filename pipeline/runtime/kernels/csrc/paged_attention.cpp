@@ -108,6 +108,15 @@ inline v8f tanh8(v8f x) {
   return (v8f)(((v8i)small & use_small) | ((v8i)large & ~use_small) | sign);
 }
 
+// Lane i = the sum of a[i]'s lanes: eight dot products reduced together, ~9 shuffles and adds instead of ~5 each.
+inline v8f sum_lanes8x8(const v8f a[8]) {
+  const __m256 s01 = _mm256_hadd_ps((__m256)a[0], (__m256)a[1]), s23 = _mm256_hadd_ps((__m256)a[2], (__m256)a[3]);
+  const __m256 s45 = _mm256_hadd_ps((__m256)a[4], (__m256)a[5]), s67 = _mm256_hadd_ps((__m256)a[6], (__m256)a[7]);
+  // lanes 0-3: a[0..3]'s lanes 0-3 summed, lanes 4-7: their lanes 4-7 (likewise a[4..7])
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+  return (v8f)_mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
 // scores[0 .. n - 1] = softcap * tanh(scores / softcap), in HF's order; returns their maximum.
 float softcap_scores(float* scores, int64_t n, float softcap) {
   const v8f cap = splat8(softcap);
@@ -167,6 +176,7 @@ inline __attribute__((always_inline)) void attend_head(
   v8f qv[D / 8];
   for (int64_t d = 0; d < D / 8; ++d) qv[d] = load8(q + 8 * d);
   float row_max = kNegBig;
+  v8f vmax = splat8(kNegBig);
   for (int64_t j = 0; j < n;) {
     const int64_t pos = lo + j;
     const int64_t offset = pos % block_size;
@@ -175,19 +185,17 @@ inline __attribute__((always_inline)) void attend_head(
     int64_t k = head * D;  // element index of the key row in the cache
     const float* ks = quant ? k_scales + head : nullptr;
     int64_t r = 0;
-    for (; r + 4 <= run; r += 4, k += 4 * row_stride) {
-      v8f a0 = splat8(0.0f), a1 = a0, a2 = a0, a3 = a0;
-      for (int64_t d = 0; d < D / 8; ++d) {
-        a0 += qv[d] * load_cache8(k_cache, k + 8 * d, kind);
-        a1 += qv[d] * load_cache8(k_cache, k + row_stride + 8 * d, kind);
-        a2 += qv[d] * load_cache8(k_cache, k + 2 * row_stride + 8 * d, kind);
-        a3 += qv[d] * load_cache8(k_cache, k + 3 * row_stride + 8 * d, kind);
-      }
-      float s0 = hsum8(a0) * scale, s1 = hsum8(a1) * scale, s2 = hsum8(a2) * scale, s3 = hsum8(a3) * scale;
-      if (quant) s0 *= ks[r * KV], s1 *= ks[(r + 1) * KV], s2 *= ks[(r + 2) * KV], s3 *= ks[(r + 3) * KV];
-      scores[j + r] = s0, scores[j + r + 1] = s1, scores[j + r + 2] = s2, scores[j + r + 3] = s3;
-      const float m01 = s0 > s1 ? s0 : s1, m23 = s2 > s3 ? s2 : s3, m = m01 > m23 ? m01 : m23;
-      if (m > row_max) row_max = m;
+    for (; r + 8 <= run; r += 8, k += 8 * row_stride) {
+      v8f a[8];
+      for (int i = 0; i < 8; ++i) a[i] = splat8(0.0f);
+      for (int64_t d = 0; d < D / 8; ++d)
+        for (int i = 0; i < 8; ++i) a[i] += qv[d] * load_cache8(k_cache, k + i * row_stride + 8 * d, kind);
+      v8f s = sum_lanes8x8(a) * scale;
+      if (quant)
+        s *= v8f{ks[r * KV], ks[(r + 1) * KV], ks[(r + 2) * KV], ks[(r + 3) * KV],
+                 ks[(r + 4) * KV], ks[(r + 5) * KV], ks[(r + 6) * KV], ks[(r + 7) * KV]};
+      store8(scores + j + r, s);
+      vmax = vmax > s ? vmax : s;
     }
     for (; r < run; ++r, k += row_stride) {
       v8f a = splat8(0.0f);
@@ -198,6 +206,7 @@ inline __attribute__((always_inline)) void attend_head(
     }
     j += run;
   }
+  for (int i = 0; i < 8; ++i) row_max = vmax[i] > row_max ? vmax[i] : row_max;
   if (softcap > 0) row_max = softcap_scores(scores, n, softcap);
   const int64_t n_pad = (n + 7) & ~(int64_t)7;
   for (int64_t j = n; j < n_pad; ++j) scores[j] = kNegBig;
