@@ -187,3 +187,12 @@ class FusedDecoder:
         for i in range(self._num_layers):
             qkv = run(i + 1, hidden, attention(i, qkv, meta))
         return hidden
+
+    def forward_without_attention(self, hidden: torch.Tensor, attention_out: torch.Tensor) -> torch.Tensor:
+        """`forward` with every layer's attention output replaced by `attention_out` [T, heads * head_dim]:
+        the kernel work of a step alone, for timing it."""
+        run = self._plan.run
+        run(0, hidden, None)
+        for i in range(self._num_layers):
+            run(i + 1, hidden, attention_out)
+        return hidden

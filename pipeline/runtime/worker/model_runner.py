@@ -8,7 +8,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -81,11 +81,6 @@ class ModelRunner:
         kv_dtype = self.layer_weight_dtype
         self.tokens_per_block = build.plugin_config.tokens_per_block
         weights = load_model_weights(engine_config, self.device, self.dtype, self.layer_weight_dtype)
-        self.single_row_threads = (
-            args.single_row_threads
-            if args.single_row_threads is not None
-            else self._faster_single_row_threads(weights.layers[0])
-        )
         # Sized after the weights are in memory, so "free memory" is what the cache can really use.
         self.num_kv_blocks = num_kv_blocks(
             model_cfg,
@@ -113,6 +108,11 @@ class ModelRunner:
         )
         self.attention_backend = "kernel" if use_kernel else "torch"
         self.model = self._assemble(weights, use_kernel)
+        self.single_row_threads = (
+            args.single_row_threads
+            if args.single_row_threads is not None
+            else self._faster_single_row_threads(weights.layers[0])
+        )
         self.sampler = Sampler(args.seed)
         logger.info(
             "model runner: %s on %s (%s, layer weights %s), %d KV blocks of %d tokens (%s, %.2f GiB), "
@@ -179,16 +179,45 @@ class ModelRunner:
             return self._execute(scheduler_output)
 
     def _faster_single_row_threads(self, layer: LayerWeights) -> int:
-        """1 or torch's thread count, whichever runs one row through a decoder layer's linears faster on
-        this machine. Why measured, not fixed: a decode step opens ~60 OpenMP regions, and waking the
-        workers for each costs more than the share of work they take over when the layers are small
-        (SmolLM2's int8 / int4 layers on 2 vCPUs: one thread 1.3x / 1.1x faster) and less when they are
-        large (its bf16 / fp32 layers: two threads 1.3x / 1.5x faster); where that line falls depends on
-        the CPU's cores, caches and memory bandwidth."""
+        """1 or torch's thread count, whichever runs one row through the model's layers faster on this
+        machine. Why measured, not fixed: a decode step opens ~60 OpenMP regions, and waking the workers for
+        each costs more than the share of work they take over when the layers are small (SmolLM2's int8 /
+        int4 layers on 2 vCPUs of an AVX2-only EPYC: one thread 1.3x / 1.1x faster) and less when they are
+        large (every SmolLM2 engine on 2 vCPUs of a Zen 5: two threads 1.3-1.8x faster); where that line
+        falls depends on the CPU's cores, caches and memory bandwidth. What is timed is what a one-row step
+        runs: the fused decoder kernel over every layer where the model has one, else `layer`'s linears
+        (timing a bf16 layer's linears alone, oneDNN's GEMVs, picked one thread in 4 of 6 loads there, for
+        steps 1.5x slower than two threads'). The counts take turns, so load from elsewhere lands on both."""
         threads = torch.get_num_threads()
         if self.device.type != "cpu" or threads == 1:
             return threads
+        one_row_pass = self._one_row_pass(layer)
+
+        def seconds_per_pass(count: int) -> float:
+            torch.set_num_threads(count)
+            try:
+                start = time.perf_counter()
+                one_row_pass()
+                return time.perf_counter() - start
+            finally:
+                torch.set_num_threads(threads)
+
+        best = {1: math.inf, threads: math.inf}
+        with torch.inference_mode():
+            seconds_per_pass(1)  # first calls pay for kernel loading and page faults
+            for _ in range(SINGLE_ROW_PROBE_REPEATS):
+                for count in best:
+                    best[count] = min(best[count], seconds_per_pass(count))
+        return 1 if best[1] < best[threads] else threads
+
+    def _one_row_pass(self, layer: LayerWeights) -> Callable[[], object]:
         model = self.config.model
+        gen = torch.Generator().manual_seed(0)
+        fused = self.model.fused
+        if fused is not None:
+            hidden = torch.randn(1, model.hidden_size, generator=gen)
+            attention_out = torch.randn(1, model.num_attention_heads * model.head_dim, generator=gen)
+            return lambda: fused.forward_without_attention(hidden.clone(), attention_out)
         inputs = [
             (layer.qkv, model.hidden_size),
             (layer.dense, model.num_attention_heads * model.head_dim),
@@ -197,28 +226,11 @@ class ModelRunner:
         ]
         # A sparse layer has no dense MLP: its attention projections alone decide.
         rows = [
-            (linear, torch.randn(1, width, dtype=self.dtype))
+            (linear, torch.randn(1, width, dtype=self.dtype, generator=gen))
             for linear, width in inputs
             if linear is not None
         ]
-
-        def seconds_per_pass(count: int) -> float:
-            torch.set_num_threads(count)
-            try:
-                best = math.inf
-                for _ in range(SINGLE_ROW_PROBE_REPEATS):
-                    start = time.perf_counter()
-                    for linear, x in rows:
-                        linear(x)
-                    best = min(best, time.perf_counter() - start)
-                return best
-            finally:
-                torch.set_num_threads(threads)
-
-        with torch.inference_mode():
-            seconds_per_pass(1)  # first calls pay for kernel loading and page faults
-            one, all_threads = seconds_per_pass(1), seconds_per_pass(threads)
-        return 1 if one < all_threads else threads
+        return lambda: [linear(x) for linear, x in rows]
 
     @contextlib.contextmanager
     def _threads_for(self, num_rows: int) -> Iterator[None]:
