@@ -138,13 +138,21 @@ def test_fp32_kernel_matches_torch(rows: int) -> None:
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(in_f: int) -> None:
     # Steps of few rows and of many run different vector forms (ymm / zmm on AVX-512): a sequence's logits must
     # not change with how many other sequences share its decode step.
+    # One-row steps may take either form (set_wide_single_row, chosen per machine at load).
     w = random_weight(37, in_f)
     qweight, scales = primitives.quantize_int8_per_channel(w)
     batch = torch.randn(17, in_f)
-    for gemm in (lambda x: kernels.gemm_f32(x, w), lambda x: kernels.gemm_int8(x, qweight, scales)):
-        together = gemm(batch)
-        for count in (1, 2, 3, 4, 6):
-            assert torch.equal(gemm(batch[:count]), together[:count]), count
+    before = kernels.set_wide_single_row(False)
+    try:
+        for gemm in (lambda x: kernels.gemm_f32(x, w), lambda x: kernels.gemm_int8(x, qweight, scales)):
+            together = gemm(batch)
+            for count in (1, 2, 3, 4, 6):
+                assert torch.equal(gemm(batch[:count]), together[:count]), count
+            kernels.set_wide_single_row(True)
+            assert torch.equal(gemm(batch[:1]), together[:1])
+            kernels.set_wide_single_row(False)
+    finally:
+        kernels.set_wide_single_row(before)
 
 
 @needs_kernels

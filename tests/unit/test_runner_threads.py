@@ -13,6 +13,8 @@ import torch
 from pipeline.runtime.core.sampling_params import SamplingParams
 from pipeline.runtime.engine.engine_args import EngineArgs, RunnerArgs
 from pipeline.runtime.engine.llm_engine import LLMEngine
+from pipeline.runtime.kernels import build
+from pipeline.runtime.kernels import ops as kernels
 
 
 def _threads_per_forward(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
@@ -69,3 +71,12 @@ def test_the_measured_choice_is_one_or_all_and_is_applied(
     assert torch.get_num_threads() == 2  # the measurement restored it
     one_row = [threads for rows, threads in _threads_per_forward(engine, monkeypatch) if rows == 1]
     assert one_row == [chosen, chosen]
+
+
+def test_the_one_row_vector_form_is_measured_and_applied(tiny_engine_dir: Path, two_threads: None) -> None:
+    engine = _engine(tiny_engine_dir, None)
+    chosen = engine.runner.wide_single_row  # type: ignore[attr-defined]
+    if not (kernels.kernels_available() and build.has_wide_vectors()):
+        assert chosen is False
+        return
+    assert kernels.set_wide_single_row(chosen) is chosen  # the runner left its choice in place

@@ -179,6 +179,15 @@ def kernel_isa() -> str:
     return best
 
 
+def has_wide_vectors() -> bool:
+    """Whether the kernels built for this CPU have their 512-bit form (AVX-512 builds); False where
+    LLMPIPE_KERNEL_ISA is invalid (no kernels load then)."""
+    try:
+        return kernel_isa() != "avx2"
+    except ValueError:
+        return False
+
+
 def compiler_command() -> str:
     """The C++ compiler: $CXX, default g++."""
     return os.environ.get("CXX", "g++")

@@ -30,6 +30,7 @@ _OP_NAMES = (
     "greedy_argmax",
     "paged_attention",
     "add_rms_norm",
+    "set_wide_single_row",
 )
 
 
@@ -212,3 +213,10 @@ def add_rms_norm(
     """hidden [T, H] += delta [T, H] (in place, when given), then RMSNorm(hidden) * weight [H] into a new
     tensor, in HF's order of operations; contiguous fp32."""
     return _op("add_rms_norm")(hidden, delta, weight, eps)
+
+
+def set_wide_single_row(on: bool) -> bool:
+    """Whether one-row steps run the kernels' 512-bit vector form (AVX-512 builds; the results are the same bits
+    either way, only the speed differs by CPU). Process-wide; returns the previous setting (always False where
+    the build has no such form)."""
+    return bool(_op("set_wide_single_row")(on))

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.runtime.kernels import ops as kernels
-from pipeline.runtime.kernels.build import kernel_isa
+from pipeline.runtime.kernels.build import has_wide_vectors
 from pipeline.runtime.kernels.ops import kernels_available, kernels_unavailable_reason
 from pipeline.runtime.quant import primitives
 
@@ -46,11 +46,7 @@ _AVX512_MAX_KERNEL_ROWS: dict[str, int] = {"fp32": 2048, "bf16": 32, "int8": 204
 def max_kernel_rows(kind: str) -> int:
     """Most activation rows a linear with `kind` weights ("fp32", "bf16", "int8", "int4") sends to the kernels
     built for this CPU."""
-    try:
-        wide = kernel_isa() != "avx2"
-    except ValueError:  # a bad LLMPIPE_KERNEL_ISA: no kernels load, so no limit applies
-        wide = False
-    return (_AVX512_MAX_KERNEL_ROWS if wide else _AVX2_MAX_KERNEL_ROWS)[kind]
+    return (_AVX512_MAX_KERNEL_ROWS if has_wide_vectors() else _AVX2_MAX_KERNEL_ROWS)[kind]
 
 
 class QuantLinear(torch.nn.Module):

@@ -10,6 +10,7 @@ import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -19,6 +20,7 @@ from pipeline.runtime.core.outputs import LogitsRows, RunnerOutput, SchedulerOut
 from pipeline.runtime.engine.engine_args import AttentionChoice, RunnerArgs
 from pipeline.runtime.engine_config import EngineConfig, load_engine_config
 from pipeline.runtime.kernels import ops as kernels
+from pipeline.runtime.kernels.build import has_wide_vectors
 from pipeline.runtime.model.attention import Attention, KernelAttention, LayerAttention, TorchAttention
 from pipeline.runtime.model.decoder import DecoderModel
 from pipeline.runtime.model.greedy_head import GreedyLMHead
@@ -33,8 +35,27 @@ from pipeline.runtime.worker.sampler import Sampler, SampleRow, accept_drafts
 
 logger = logging.getLogger(__name__)
 
-# Timed passes of each thread count when choosing single_row_threads (the fastest counts).
+# Timed passes of each option when choosing how one-row steps run (threads, vector width): the fastest counts.
 SINGLE_ROW_PROBE_REPEATS = 5
+T = TypeVar("T")
+
+
+def _fastest(options: Sequence[T], use: Callable[[T], object], run: Callable[[], object]) -> T:
+    """The option (applied by `use`) under which `run` takes least time: SINGLE_ROW_PROBE_REPEATS timings of
+    each after a warm-up, the options taking turns so that load from elsewhere lands on all; ties go to the
+    first."""
+    best = dict.fromkeys(options, math.inf)
+    with torch.inference_mode():
+        use(options[0])
+        run()  # first calls pay for kernel loading and page faults
+        for _ in range(SINGLE_ROW_PROBE_REPEATS):
+            for option in options:
+                use(option)
+                start = time.perf_counter()
+                run()
+                best[option] = min(best[option], time.perf_counter() - start)
+    return min(options, key=best.__getitem__)
+
 
 _MODEL_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -108,11 +129,16 @@ class ModelRunner:
         )
         self.attention_backend = "kernel" if use_kernel else "torch"
         self.model = self._assemble(weights, use_kernel)
-        self.single_row_threads = (
-            args.single_row_threads
-            if args.single_row_threads is not None
-            else self._faster_single_row_threads(weights.layers[0])
-        )
+        self.single_row_threads = torch.get_num_threads() if self.device.type == "cpu" else 1
+        self.wide_single_row = False
+        if self.device.type == "cpu":
+            one_row_pass = self._one_row_pass(weights.layers[0])
+            self.single_row_threads = (
+                args.single_row_threads
+                if args.single_row_threads is not None
+                else self._faster_single_row_threads(one_row_pass)
+            )
+            self.wide_single_row = self._faster_one_row_vectors(one_row_pass)
         self.sampler = Sampler(args.seed)
         logger.info(
             "model runner: %s on %s (%s, layer weights %s), %d KV blocks of %d tokens (%s, %.2f GiB), "
@@ -178,46 +204,48 @@ class ModelRunner:
         with self._threads_for(scheduler_output.num_batched_tokens):
             return self._execute(scheduler_output)
 
-    def _faster_single_row_threads(self, layer: LayerWeights) -> int:
-        """1 or torch's thread count, whichever runs one row through the model's layers faster on this
-        machine. Why measured, not fixed: a decode step opens ~60 OpenMP regions, and waking the workers for
-        each costs more than the share of work they take over when the layers are small (SmolLM2's int8 /
-        int4 layers on 2 vCPUs of an AVX2-only EPYC: one thread 1.3x / 1.1x faster) and less when they are
-        large (every SmolLM2 engine on 2 vCPUs of a Zen 5: two threads 1.3-1.8x faster); where that line
-        falls depends on the CPU's cores, caches and memory bandwidth. What is timed is what a one-row step
-        runs: the fused decoder kernel over every layer where the model has one, else `layer`'s linears
-        (timing a bf16 layer's linears alone, oneDNN's GEMVs, picked one thread in 4 of 6 loads there, for
-        steps 1.5x slower than two threads'). The counts take turns, so load from elsewhere lands on both."""
+    def _faster_single_row_threads(self, one_row_pass: Callable[[], object]) -> int:
+        """1 or torch's thread count, whichever runs `one_row_pass` faster on this machine. Why measured, not
+        fixed: a decode step opens ~60 OpenMP regions, and waking the workers for each costs more than the
+        share of work they take over when the layers are small (SmolLM2's int8 / int4 layers on 2 vCPUs of an
+        AVX2-only EPYC: one thread 1.3x / 1.1x faster) and less when they are large (every SmolLM2 engine on 2
+        vCPUs of a Zen 5: two threads 1.3-1.8x faster); where that line falls depends on the CPU's cores,
+        caches and memory bandwidth. (Timing a bf16 layer's linears alone, oneDNN's GEMVs rather than the
+        kernel a step runs, picked one thread in 4 of 6 loads there, for steps 1.5x slower than two threads'.)"""
         threads = torch.get_num_threads()
-        if self.device.type != "cpu" or threads == 1:
+        if threads == 1:
             return threads
-        one_row_pass = self._one_row_pass(layer)
+        try:
+            return _fastest((threads, 1), torch.set_num_threads, one_row_pass)
+        finally:
+            torch.set_num_threads(threads)
 
-        def seconds_per_pass(count: int) -> float:
-            torch.set_num_threads(count)
-            try:
-                start = time.perf_counter()
-                one_row_pass()
-                return time.perf_counter() - start
-            finally:
-                torch.set_num_threads(threads)
-
-        best = {1: math.inf, threads: math.inf}
-        with torch.inference_mode():
-            seconds_per_pass(1)  # first calls pay for kernel loading and page faults
-            for _ in range(SINGLE_ROW_PROBE_REPEATS):
-                for count in best:
-                    best[count] = min(best[count], seconds_per_pass(count))
-        return 1 if best[1] < best[threads] else threads
+    def _faster_one_row_vectors(self, one_row_pass: Callable[[], object]) -> bool:
+        """Whether one-row steps run the kernels' 512-bit form, as timed here (AVX-512 builds: faster on some
+        CPUs, slower on those that split 512-bit ops; the same results either way). Sets it, process-wide."""
+        if not (kernels.kernels_available() and has_wide_vectors()):
+            return False
+        with self._threads_for(1):
+            wide = _fastest((False, True), kernels.set_wide_single_row, one_row_pass)
+        kernels.set_wide_single_row(wide)
+        return wide
 
     def _one_row_pass(self, layer: LayerWeights) -> Callable[[], object]:
+        """What a one-row step runs beside attention: the fused decoder kernel over every layer and the greedy
+        lm_head where the model has them, else `layer`'s linears."""
         model = self.config.model
         gen = torch.Generator().manual_seed(0)
-        fused = self.model.fused
+        fused, head = self.model.fused, self.model.greedy_head
         if fused is not None:
             hidden = torch.randn(1, model.hidden_size, generator=gen)
             attention_out = torch.randn(1, model.num_attention_heads * model.head_dim, generator=gen)
-            return lambda: fused.forward_without_attention(hidden.clone(), attention_out)
+            final_norm = self.model.weights.final_norm
+
+            def decode_row() -> object:
+                out = fused.forward_without_attention(hidden.clone(), attention_out)
+                return head(self.model.norm(out, None, final_norm)) if head is not None else out
+
+            return decode_row
         inputs = [
             (layer.qkv, model.hidden_size),
             (layer.dense, model.num_attention_heads * model.head_dim),

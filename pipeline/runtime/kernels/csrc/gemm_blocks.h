@@ -9,6 +9,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <atomic>
+
 namespace llmp {
 
 // A bfloat16 bit pattern: the upper half of an fp32.
@@ -490,9 +492,13 @@ constexpr int64_t kNarrowTileRows = 3;
 constexpr int64_t kWideTileRows = 6;
 // Steps of this many rows or more run Wide. Measured (scripts/bench_kernels.py ab, SmolLM2-135M, 2 threads) on
 // Zen 5, whose 512-bit units are full width: at 16 rows the decoder layers took 0.84x (fp32), 0.82x (bf16) and
-// 0.60x (int8) of Narrow's time and the greedy head 0.61x; at 1-3 rows the two were within 10% either way
-// except int8 (Wide 0.8-0.9x). Zen 4 splits 512-bit ops: one row ran 20-40% slower in zmm there.
+// 0.60x (int8) of Narrow's time and the greedy head 0.61x; at 2-3 rows Wide was slower for fp32 (1.1-1.3x the
+// time), even for bf16 and faster for int8 (0.8x). Zen 4 splits 512-bit ops: one row ran 20-40% slower there.
 constexpr int64_t kWideMinRows = 4;
+// Whether one-row steps run Wide too. On that Zen 5 one row took 0.88x (int8 layers), 0.94x (fp32) and 0.7-0.8x
+// (the greedy head) of Narrow's time; results are the same bits either way, so the runner times both forms on
+// the machine at load and sets this (set_wide_single_row).
+inline std::atomic<bool> wide_single_row{false};
 #endif
 
 template <typename V, int64_t MaxRows, int NB, typename Fmt>
@@ -529,7 +535,7 @@ template <int NB, typename Fmt>
 inline void rows(const Fmt& f, const Problem& p, int64_t n0) {
   f.template prepare<NB>(p, n0);
 #if defined(__AVX512F__)
-  if (p.M >= kWideMinRows) {
+  if (p.M >= kWideMinRows || (p.M == 1 && wide_single_row.load(std::memory_order_relaxed))) {
     row_tiles<Wide, kWideTileRows, NB>(f, p, n0);
     return;
   }

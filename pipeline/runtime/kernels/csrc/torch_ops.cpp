@@ -12,6 +12,7 @@
 
 #include <optional>
 
+#include "gemm_blocks.h"
 #include "greedy_head.h"
 #include "paged_attention.h"
 #include "rms_norm.h"
@@ -214,6 +215,17 @@ at::Tensor add_rms_norm(const at::Tensor& hidden, const std::optional<at::Tensor
   return out;
 }
 
+// One-row steps in 512-bit vectors (on) or 256-bit ones (off); returns the previous setting. Builds without
+// AVX-512 have only the latter: there it stays off.
+bool set_wide_single_row(bool on) {
+#if defined(__AVX512F__)
+  return llmp::wide_single_row.exchange(on);
+#else
+  (void)on;
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(llmpipe_quant, m) {
@@ -228,6 +240,7 @@ TORCH_LIBRARY(llmpipe_quant, m) {
       "Tensor(e!)? v_scales, Tensor cos_sin, Tensor positions, Tensor slots, Tensor block_tables, Tensor token_seq, "
       "int num_heads, int block_size, int window, int max_context, float scale, float softcap=0.) -> Tensor");
   m.def("add_rms_norm(Tensor(a!) hidden, Tensor? delta, Tensor weight, float eps) -> Tensor");
+  m.def("set_wide_single_row(bool on) -> bool", set_wide_single_row);
 }
 
 TORCH_LIBRARY_IMPL(llmpipe_quant, CPU, m) {
