@@ -193,11 +193,17 @@ def test_kernels_read_strided_activation_rows() -> None:
 def test_prefill_chunks_take_the_kernels_where_they_are_built_wide(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(build, "cpu_flags", lambda: frozenset({"avx2", "fma", *build.AVX512_CPU_FLAGS}))
     monkeypatch.delenv(build.ISA_ENV, raising=False)
-    assert [max_kernel_rows(k) for k in ("fp32", "bf16", "int8", "int4")] == [2048, 32, 2048, 2048]
-    monkeypatch.setenv(build.ISA_ENV, "avx2")
-    assert [max_kernel_rows(k) for k in ("fp32", "bf16", "int8", "int4")] == [32, 32, 128, 64]
-    monkeypatch.setenv(build.ISA_ENV, "sse")  # refused when the kernels load; the torch path has no limit
-    assert max_kernel_rows("int8") == 128
+    build.has_wide_vectors.cache_clear()  # read once per process; this test changes the machine under it
+    try:
+        assert [max_kernel_rows(k) for k in ("fp32", "bf16", "int8", "int4")] == [2048, 32, 2048, 2048]
+        monkeypatch.setenv(build.ISA_ENV, "avx2")
+        build.has_wide_vectors.cache_clear()
+        assert [max_kernel_rows(k) for k in ("fp32", "bf16", "int8", "int4")] == [32, 32, 128, 64]
+        monkeypatch.setenv(build.ISA_ENV, "sse")  # refused when the kernels load; the torch path has no limit
+        build.has_wide_vectors.cache_clear()
+        assert max_kernel_rows("int8") == 128
+    finally:
+        build.has_wide_vectors.cache_clear()
 
 
 @pytest.mark.parametrize(("scheme", "group_size"), [("int8", None), ("int4", 64)])

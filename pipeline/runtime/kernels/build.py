@@ -179,9 +179,10 @@ def kernel_isa() -> str:
     return best
 
 
+@functools.cache
 def has_wide_vectors() -> bool:
     """Whether the kernels built for this CPU have their 512-bit form (AVX-512 builds); False where
-    LLMPIPE_KERNEL_ISA is invalid (no kernels load then)."""
+    LLMPIPE_KERNEL_ISA is invalid (no kernels load then). Read once: every fp32 linear call asks."""
     try:
         return kernel_isa() != "avx2"
     except ValueError:

@@ -129,16 +129,13 @@ class ModelRunner:
         )
         self.attention_backend = "kernel" if use_kernel else "torch"
         self.model = self._assemble(weights, use_kernel)
-        self.single_row_threads = torch.get_num_threads() if self.device.type == "cpu" else 1
-        self.wide_single_row = False
-        if self.device.type == "cpu":
-            one_row_pass = self._one_row_pass(weights.layers[0])
-            self.single_row_threads = (
-                args.single_row_threads
-                if args.single_row_threads is not None
-                else self._faster_single_row_threads(one_row_pass)
-            )
-            self.wide_single_row = self._faster_one_row_vectors(one_row_pass)
+        one_row_pass = self._one_row_pass(weights.layers[0])  # builds the inputs, runs nothing
+        self.single_row_threads = (
+            args.single_row_threads
+            if args.single_row_threads is not None
+            else self._faster_single_row_threads(one_row_pass)
+        )
+        self.wide_single_row = self._faster_one_row_vectors(one_row_pass)
         self.sampler = Sampler(args.seed)
         logger.info(
             "model runner: %s on %s (%s, layer weights %s), %d KV blocks of %d tokens (%s, %.2f GiB), "
@@ -213,7 +210,7 @@ class ModelRunner:
         caches and memory bandwidth. (Timing a bf16 layer's linears alone, oneDNN's GEMVs rather than the
         kernel a step runs, picked one thread in 4 of 6 loads there, for steps 1.5x slower than two threads'.)"""
         threads = torch.get_num_threads()
-        if threads == 1:
+        if self.device.type != "cpu" or threads == 1:
             return threads
         try:
             return _fastest((threads, 1), torch.set_num_threads, one_row_pass)
@@ -223,7 +220,7 @@ class ModelRunner:
     def _faster_one_row_vectors(self, one_row_pass: Callable[[], object]) -> bool:
         """Whether one-row steps run the kernels' 512-bit form, as timed here (AVX-512 builds: faster on some
         CPUs, slower on those that split 512-bit ops; the same results either way). Sets it, process-wide."""
-        if not (kernels.kernels_available() and has_wide_vectors()):
+        if not (self.device.type == "cpu" and has_wide_vectors() and kernels.kernels_available()):
             return False
         with self._threads_for(1):
             wide = _fastest((False, True), kernels.set_wide_single_row, one_row_pass)

@@ -148,7 +148,6 @@ using Bf16Activation = bf16;
 
 // x [M, K] fp32 (row stride ldx) -> xb [M, K] bf16.
 inline void round_rows_bf16(const float* x, int64_t M, int64_t K, int64_t ldx, bf16* xb) {
-  #pragma GCC unroll 16
   for (int64_t m = 0; m < M; ++m) {
     const float* xm = x + m * ldx;
     bf16* o = xb + m * K;
@@ -507,13 +506,10 @@ inline void emit_rows(const Fmt& f, const Problem& p, int64_t n0, int64_t m0, in
     case 1: emit<V, NB, 1>(f, p, n0, m0); break;
     case 2: emit<V, NB, 2>(f, p, n0, m0); break;
     case 3: emit<V, NB, 3>(f, p, n0, m0); break;
-    default:
-      if constexpr (MaxRows >= 6) {
-        if (count == 4) emit<V, NB, 4>(f, p, n0, m0);
-        if (count == 5) emit<V, NB, 5>(f, p, n0, m0);
-        if (count == 6) emit<V, NB, 6>(f, p, n0, m0);
-      }
-      break;
+    case 4: if constexpr (MaxRows >= 4) emit<V, NB, 4>(f, p, n0, m0); break;
+    case 5: if constexpr (MaxRows >= 5) emit<V, NB, 5>(f, p, n0, m0); break;
+    case 6: if constexpr (MaxRows >= 6) emit<V, NB, 6>(f, p, n0, m0); break;
+    default: break;
   }
 }
 
