@@ -22,6 +22,12 @@ def produce(cfg: BuildConfig, inputs: dict[str, StageInput], out: Path) -> dict[
     return facts
 
 
+def _template_files() -> dict[str, Path]:
+    from pipeline.serving.repository.render import template_files
+
+    return template_files()
+
+
 def serving_lines(cfg: BuildConfig, out: Path) -> list[str]:
     """How to serve the repository in `out`: what `llmpipe package` and `build` print after it and in the plan."""
     lines = [f"serve it with Triton: llmpipe serve {out}"]
@@ -61,4 +67,5 @@ SPEC = StageSpec(
     produce=produce,
     describe=describe,
     summary="Write the Triton model repository for the engine.",
+    data_files=lambda cfg: _template_files(),
 )
