@@ -267,10 +267,9 @@ class ServingSection(_Strict):
     ensemble: Literal["triton", "bls"] = Field(
         "triton",
         description="What answers at the `ensemble` model (inflight_batcher_llm): triton = Triton's ensemble "
-        "scheduler (platform ensemble, tensorrtllm_backend's own layout); with the torch backend a cancelled "
-        "stream is stopped by postprocessing a chunk later, while a cancelled `stream: false` request, or any "
-        "on the trtllm backend, runs to max_tokens or request_timeout_s; bls = a Python model running the "
-        "BLS's code with the ensemble's tensors, which stops the engine request of every client that cancels "
+        "scheduler (platform ensemble, tensorrtllm_backend's own layout), which passes no cancellation to a "
+        "running step: a dropped stream runs to max_tokens or request_timeout_s; bls = a Python model running "
+        "the BLS's code with the ensemble's tensors, which stops the engine request of a client that cancels "
         "(KV freed within a step) but, like tensorrt_llm_bls, starts each engine call only once the streams in "
         "flight took their next response: later first tokens at high concurrency (README: Serving).",
     )

@@ -13,16 +13,15 @@ shows the request stopped far short of max_tokens, every generated token having 
   before every engine step; the client gets "request timed out after ...s".
 - HTTP SSE client disconnect on /v2/models/<model>/generate_stream: Triton cancels the request when the
   connection closes; the models see it through is_cancelled(), polled every cancellation_check_period_ms=50.
-- gRPC stream cancel, on tensorrt_llm_bls, on the `ensemble` model served by the BLS's code
-  (serving.ensemble=bls, as this module's server is) and on Triton's own ensemble scheduler (the default,
-  served here as SCHEDULED_ENSEMBLE), and in
+- gRPC stream cancel, on tensorrt_llm_bls and on the `ensemble` model served by the BLS's code
+  (serving.ensemble=bls, as this module's server is), and in
   tests/integration/test_triton.py::test_cancelled_streams_free_their_kv_blocks.
 The exact one-step mechanics are unit-tested on the engine thread (tests/unit/test_engine_core.py:
 test_cancel_takes_effect_within_one_step, test_is_cancelled_is_polled_before_every_step).
 
-Triton 2.51's own ensemble scheduler passes no cancellation on to the running tensorrt_llm step; it marks
-cancelled the postprocessing steps of the chunks that follow, and postprocessing stops the engine's sequence
-by its engine_request_id.
+Triton 2.51's own ensemble scheduler (serving.ensemble=triton, the default) passes no cancellation on to a
+running step (it checks only before scheduling the next one, and tensorrt_llm is one long step): there a
+cancelled ensemble stream runs on to max_tokens or serving.request_timeout_s.
 """
 
 from __future__ import annotations
@@ -41,15 +40,13 @@ import numpy as np
 import pytest
 
 from pipeline.serving.client import GenerationOptions, GrpcClient, HttpClient
-from pipeline.serving.repository.render import render_configs, templates_dir
 from pipeline.serving.server.launcher import TritonServer
-from tests.serving_helpers import MULTIBYTE_PROMPT, metric, scrape_metrics, serve_tiny, tiny_config
+from tests.serving_helpers import MULTIBYTE_PROMPT, metric, scrape_metrics, serve_tiny
 
 pytestmark = pytest.mark.triton
 LONG = 1000  # max_tokens far past every cancellation below (max_seq_len is 1024)
 PROMPT_IDS = [1, 57, 300]
 TIMED_MODEL = "tensorrt_llm_timeout"  # a second engine model, only its request_timeout_s differs
-SCHEDULED_ENSEMBLE = "ensemble_triton"  # the ensemble as serving.ensemble=triton renders it
 TIMEOUT_S = 0.2  # the tiny model decodes ~2000 tokens/s on one thread: well short of LONG
 # A streamed request's last tokens may end mid-character; the server holds them back for the next step (a
 # UTF-8 character is at most 4 bytes, i.e. 4 byte-fallback tokens), and an error ends the stream without them.
@@ -72,29 +69,15 @@ def _add_timed_model(repo: Path) -> None:
     (timed / "config.pbtxt").write_text(config)
 
 
-def _add_scheduled_ensemble(repo: Path, hf_dir: Path) -> None:
-    config = render_configs(tiny_config(hf_dir, serving={"ensemble": "triton"}), templates_dir())["ensemble"]
-    assert 'platform: "ensemble"' in config
-    (repo / SCHEDULED_ENSEMBLE / "1").mkdir(parents=True)
-    (repo / SCHEDULED_ENSEMBLE / "config.pbtxt").write_text(
-        config.replace('name: "ensemble"', f'name: "{SCHEDULED_ENSEMBLE}"')
-    )
-
-
 @pytest.fixture(scope="module")
 def server(
     tiny_llama_dir: Path, tiny_engine_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[TritonServer]:
-    """Not the shared tiny_server: this one serves TIMED_MODEL and both ensembles, and its gauges and
-    counters see this module's requests alone."""
-
-    def prepare(repo: Path) -> None:
-        _add_timed_model(repo)
-        _add_scheduled_ensemble(repo, tiny_llama_dir)
-
+    """Not the shared tiny_server: this one serves TIMED_MODEL too, and its gauges and counters see this
+    module's requests alone."""
     repo = tmp_path_factory.mktemp("cancellation") / "model_repo"
-    serving = {"ensemble": "bls"}
-    with serve_tiny(tiny_llama_dir, tiny_engine_dir, repo, prepare=prepare, serving=serving) as srv:
+    serving = {"ensemble": "bls"}  # the ensemble that passes cancellation on
+    with serve_tiny(tiny_llama_dir, tiny_engine_dir, repo, prepare=_add_timed_model, serving=serving) as srv:
         yield srv
 
 
@@ -289,7 +272,6 @@ def _sse_events_then_disconnect(server: TritonServer, model: str, body: dict[str
     ("model", "body"),
     [
         ("ensemble", {"text_input": "Tell me a long story", "max_tokens": LONG, "stream": True}),
-        (SCHEDULED_ENSEMBLE, {"text_input": "Tell me a long story", "max_tokens": LONG, "stream": True}),
         ("tensorrt_llm_bls", {"text_input": "Tell me a long story", "max_tokens": LONG, "stream": True}),
         (
             "tensorrt_llm",
@@ -311,7 +293,7 @@ def test_sse_client_disconnect_aborts_the_request(server: TritonServer, model: s
     assert tokens_after - tokens_before < LONG
 
 
-@pytest.mark.parametrize("model", ["ensemble", SCHEDULED_ENSEMBLE, "tensorrt_llm_bls"])
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
 def test_grpc_stream_cancel_aborts_the_request(server: TritonServer, model: str) -> None:
     aborts, tokens_before, _, _ = _counts(server)
     with GrpcClient(server.grpc_url, model) as client:

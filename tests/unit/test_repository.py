@@ -61,11 +61,7 @@ def test_rendered_configs_follow_the_build_config(repo: Path) -> None:
 def test_tensor_names_match_the_serving_code(repo: Path) -> None:
     engine = _config(repo, "tensorrt_llm")
     assert [i.name for i in engine.input] == list(io.ENGINE_INPUTS)
-    # the decoupled torch engine names each sequence to postprocessing (what stops a cancelled ensemble stream)
-    assert [o.name for o in engine.output] == [*io.ENGINE_OUTPUTS, io.ENGINE_REQUEST_ID]
-    steps = {step.model_name: step for step in _config(repo, "ensemble").ensemble_scheduling.step}
-    assert steps["tensorrt_llm"].output_map[io.ENGINE_REQUEST_ID] == "_ENGINE_REQUEST_ID"
-    assert steps["postprocessing"].input_map[io.ENGINE_REQUEST_ID_INPUT] == "_ENGINE_REQUEST_ID"
+    assert [o.name for o in engine.output] == list(io.ENGINE_OUTPUTS)
     for model, inputs, outputs in (
         ("ensemble", io.CLIENT_INPUTS, io.CLIENT_OUTPUTS),
         ("tensorrt_llm_bls", io.BLS_INPUTS, io.BLS_OUTPUTS),
@@ -83,8 +79,6 @@ def test_non_decoupled_and_trtllm_variants(
     render_model_repository(tiny_config(tiny_llama_dir, decoupled=False), tiny_engine_dir, unary)
     assert not _config(unary, "tensorrt_llm").model_transaction_policy.decoupled
     assert not _config(unary, "tensorrt_llm_bls").model_transaction_policy.decoupled
-    # one postprocessing call per request, at its end: nothing to stop there
-    assert io.ENGINE_REQUEST_ID not in [o.name for o in _config(unary, "tensorrt_llm").output]
 
     trt = tmp_path / "trtllm"
     facts = render_model_repository(tiny_config(tiny_llama_dir, backend="trtllm"), tiny_engine_dir, trt)
@@ -94,10 +88,6 @@ def test_non_decoupled_and_trtllm_variants(
     assert params["gpt_model_path"] == str(tiny_engine_dir) and facts["engine"] == str(tiny_engine_dir)
     assert not (trt / "tensorrt_llm" / "1" / "model.py").exists()
     assert not (trt / "tensorrt_llm" / "1" / "engine").exists()
-    # TensorRT-LLM's backend has no engine_request_id: the ensemble is upstream's
-    assert [o.name for o in engine.output] == list(io.ENGINE_OUTPUTS)
-    steps = {step.model_name: step for step in _config(trt, "ensemble").ensemble_scheduling.step}
-    assert io.ENGINE_REQUEST_ID_INPUT not in steps["postprocessing"].input_map
 
 
 def test_serving_ensemble_bls_serves_the_ensembles_tensors_with_the_bls_code(
@@ -152,7 +142,7 @@ def _templates(tmp_path: Path, model: str, old: str, new: str) -> Path:
             "postprocessing",
             "max_batch_size: ${triton_max_batch_size}",
             "max_batch_size: ${triton_max_batch_size}x",
-            "model 'postprocessing': config.pbtxt line 6: field max_batch_size value '16x' is invalid",
+            "model 'postprocessing': config.pbtxt line 5: field max_batch_size value '16x' is invalid",
         ),
         (
             "tensorrt_llm",

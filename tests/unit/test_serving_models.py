@@ -22,7 +22,6 @@ from pipeline.runtime.core.sampling_params import SamplingParams  # noqa: E402
 from pipeline.runtime.engine.llm_engine import LLMEngine  # noqa: E402
 from pipeline.serving.repository.pbtxt import parse_model_config  # noqa: E402
 from pipeline.serving.repository.render import render_model_repository  # noqa: E402
-from pipeline.serving.triton_models import io  # noqa: E402
 from pipeline.serving.triton_models.bls import BlsModel  # noqa: E402
 from pipeline.serving.triton_models.engine_model import TorchEngineModel  # noqa: E402
 from pipeline.serving.triton_models.postprocessing import PostprocessingModel  # noqa: E402
@@ -359,51 +358,3 @@ def test_pre_and_postprocessing_models_round_trip(repos: dict[bool, Path], tiny_
     assert text[0].as_dict()["OUTPUT"].reshape(-1)[0].decode() == MULTIBYTE_PROMPT  # BOS is a special token
     missing = pre.execute([pb.make_request({"QUERY": np.array([[b"x"]], dtype=object)})])[0]
     assert missing.has_error() and "max_tokens" in missing.error().message()
-
-
-def test_postprocessing_stops_the_engine_sequence_of_a_cancelled_ensemble_stream(
-    repos: dict[bool, Path], engine_model: TorchEngineModel
-) -> None:
-    """What Triton's ensemble does with a stream: each engine chunk, with its engine_request_id, becomes a
-    postprocessing request, and those scheduled after the client cancelled are marked cancelled."""
-    stops: list[pb.InferenceRequest] = []
-
-    def to_engine(request: pb.InferenceRequest, decoupled: bool) -> Any:
-        stops.append(request)
-        engine_request = pb.InferenceRequest(inputs=request.inputs.values(), request_id=request.request_id())
-        engine_model.execute([engine_request])
-        assert decoupled and engine_request.sender.done.wait(10)
-        return iter([r for r, _ in engine_request.sender.sent])
-
-    pb.route("tensorrt_llm", to_engine)
-    post = _load(PostprocessingModel, repos[True], "postprocessing")
-    wanted = ["output_ids", "sequence_length", io.ENGINE_REQUEST_ID]
-    stream = pb.InferenceRequest(
-        inputs=_engine_request([3, 4, 5], 900, streaming=True).inputs.values(), requested_output_names=wanted
-    )
-    engine_model.execute([stream])
-
-    def chunk(cancelled: bool) -> pb.InferenceRequest:
-        while not stream.sender.responses():
-            time.sleep(0.01)
-        first = stream.sender.responses()[0].as_dict()
-        request = pb.make_request(
-            {
-                "TOKENS_BATCH": first["output_ids"],
-                "SEQUENCE_LENGTH": first["sequence_length"],
-                io.ENGINE_REQUEST_ID_INPUT: first[io.ENGINE_REQUEST_ID],
-            }
-        )
-        if cancelled:
-            request.sender.cancel()
-        return request
-
-    texts = post.execute([chunk(cancelled=False), chunk(cancelled=False)])
-    assert all(not t.has_error() for t in texts) and stops == [] and not stream.sender.done.is_set()
-    # the next check of this stream comes a cancellation_check_period_ms after the last: one stop, not two
-    time.sleep(post.cancel_check_period_s)
-    post.execute([chunk(cancelled=True), chunk(cancelled=True)])
-    engine_request_id = stream.sender.responses()[0].as_dict()[io.ENGINE_REQUEST_ID].reshape(-1)[0].decode()
-    assert len(stops) == 1 and stops[0].request_id() == engine_request_id
-    assert stream.sender.done.wait(10) and len(_tokens(_wait(stream.sender))) < 900
-    assert _kv_used(engine_model) == 0

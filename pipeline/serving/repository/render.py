@@ -16,10 +16,8 @@ inflight_batcher_llm (templates/<model>/):
     tensorrt_llm_draft/config.pbtxt, tensorrt_llm_draft/1/                (trtllm draft-target only)
 
 serving.ensemble=bls keeps the ensemble's tensors (templates/ensemble) and serves them with the BLS's code
-and parameters (templates/tensorrt_llm_bls). Triton's ensemble scheduler checks a client's cancellation only
-between steps, never inside the long tensorrt_llm step: with the torch engine, postprocessing stops the
-engine's sequence of a cancelled stream (its engine_request_id); the BLS stops its engine request itself,
-streamed or not, whichever backend serves tensorrt_llm.
+and parameters (templates/tensorrt_llm_bls): Triton's ensemble scheduler checks a client's cancellation only
+between steps, never inside the long tensorrt_llm step, while the BLS stops its engine request.
 
 TensorRT-LLM's draft-target speculation (trtllm, speculative.mode=draft_model) runs in the BLS: the draft
 engine is served as `tensorrt_llm_draft` (the tensorrt_llm template, like tensorrtllm_backend's copy of it)
@@ -52,7 +50,6 @@ from pipeline.config.build_config import BuildConfig
 from pipeline.errors import ConfigError, MissingArtifactError
 from pipeline.serving.repository.engine_parameters import engine_parameters, pbtxt_flag
 from pipeline.serving.repository.pbtxt import check_ensemble, parse_model_config
-from pipeline.serving.triton_models.io import ENGINE_REQUEST_ID, ENGINE_REQUEST_ID_INPUT
 
 MODELS = ("ensemble", "preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls")
 ENSEMBLE_MODEL = "ensemble"
@@ -153,28 +150,11 @@ def draft_engine(cfg: BuildConfig, *, require_built: bool = False) -> DraftEngin
     return DraftEngine(*draft_engine_dir(cfg, require_built=require_built))
 
 
-def _engine_request_id_wiring(cfg: BuildConfig) -> dict[str, str]:
-    """The torch engine's streams name their sequence (engine_request_id) to postprocessing, which Triton's
-    ensemble scheduler tells of a cancelled stream, so that it stops the sequence. Each value starts a line of
-    its own, or is empty: TensorRT-LLM's backend has no such output, and without decoupled streaming the
-    ensemble calls postprocessing once, at the end."""
-    if cfg.backend != "torch" or not cfg.serving.decoupled:
-        return dict.fromkeys(
-            ("engine_request_id_output", "engine_request_id_output_map", "engine_request_id_input_map"), ""
-        )
-    return {
-        "engine_request_id_output": f'\noutput {{ name: "{ENGINE_REQUEST_ID}" data_type: TYPE_STRING dims: [ 1 ] }}',
-        "engine_request_id_output_map": f'\n      output_map {{ key: "{ENGINE_REQUEST_ID}" value: "_ENGINE_REQUEST_ID" }}',
-        "engine_request_id_input_map": f'\n      input_map {{ key: "{ENGINE_REQUEST_ID_INPUT}" value: "_ENGINE_REQUEST_ID" }}',
-    }
-
-
 def template_values(cfg: BuildConfig, engine_param_path: Path | None = None) -> dict[str, str]:
     """Every placeholder the templates may use, from the build config."""
     serving, engine = cfg.serving, cfg.engine
     drafting = serves_draft_model(cfg)
     values = {
-        **_engine_request_id_wiring(cfg),
         "tensorrt_llm_model_name": "tensorrt_llm",
         "tensorrt_llm_draft_model_name": DRAFT_MODEL if drafting else "",
         "num_draft_tokens": str(cfg.speculative.max_draft_len) if drafting else "0",

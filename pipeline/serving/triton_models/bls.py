@@ -42,7 +42,6 @@ from pipeline.serving.triton_models.io import (
     scalar,
     speculative_outputs,
     split_rows,
-    stop_request_inputs,
     word_list_to_sequences,
 )
 from pipeline.serving.triton_models.preprocessing import preprocess
@@ -417,7 +416,13 @@ class BlsModel:
 
     def _stop_engine(self, request_id: str) -> None:
         """Cancel our engine request: tensorrtllm_backend's `stop` input, with the same request id."""
-        for _ in self._responses(self._engine_request(stop_request_inputs(), request_id)):
+        stop = {
+            "input_ids": np.zeros((1, 1), np.int32),
+            "input_lengths": np.ones((1, 1), np.int32),
+            "request_output_len": np.ones((1, 1), np.int32),
+            "stop": np.ones((1, 1), np.bool_),
+        }
+        for _ in self._responses(self._engine_request(stop, request_id)):
             pass
 
     def finalize(self) -> None:

@@ -8,8 +8,7 @@ parses its requests and builds its responses (a RequestState).
 responder thread that sends every response (and updates every metric: see metrics.py for why one
 thread). The responder also asks Triton whether clients went away (`response_sender.is_cancelled()`, every
 cancellation_check_period_ms: an IPC round trip the engine thread need not wait for) and aborts those
-requests; a `stop=true` request aborts the in-flight request that has the same Triton request id, or the
-sequence whose engine_request_id it names (how `postprocessing` stops a cancelled ensemble stream); either
+requests; a `stop=true` request aborts the in-flight request that has the same Triton request id; either
 way the request's KV blocks are freed within a step or two. The same code serves decoupled (streaming) and
 non-decoupled deployments: the latter answers each request with exactly one response through its response
 sender.
@@ -42,7 +41,6 @@ from pipeline.runtime.spec_decode.metrics import spec_decode_stats
 from pipeline.serving.triton_models import triton_utils as tu
 from pipeline.serving.triton_models.io import (
     ENGINE_INPUTS,
-    ENGINE_REQUEST_ID,
     EngineRequest,
     InvalidInputError,
     RequestLimits,
@@ -211,12 +209,9 @@ class EngineModel(abc.ABC):
             _send(sender, tu.make_response(self._stop_acknowledgement()), final=True)
             return
         group = ResponseGroup(len(parsed))
-        names_sequences = ENGINE_REQUEST_ID in tu.requested_outputs(request, self.output_names)
         for index, row in enumerate(parsed):
             engine_id = f"{triton_id or 'request'}#{next(self._ids)}"
             state = self._new_state(engine_id, row, sender, group, index if len(parsed) > 1 else None)
-            if names_sequences:
-                state.labels[ENGINE_REQUEST_ID] = tu.string_array([engine_id], (1, 1))
             self._submit(state, triton_id)
 
     def _submit(self, state: RequestState, triton_id: str) -> None:
@@ -248,12 +243,9 @@ class EngineModel(abc.ABC):
             else:
                 raise
 
-    def _stop(self, request_id: str) -> None:
-        """Abort the sequences of the client request with this id, or else the sequence it names."""
+    def _stop(self, triton_id: str) -> None:
         with self._lock:
-            engine_ids = list(self._by_triton_id.get(request_id, ()))
-            if not engine_ids and request_id in self._states:
-                engine_ids = [request_id]
+            engine_ids = list(self._by_triton_id.get(triton_id, ())) if triton_id else []
         for engine_id in engine_ids:
             self.engine.abort(engine_id)
 

@@ -58,10 +58,6 @@ UPSTREAM_OUTPUTS = (
     "context_logits", "generation_logits", "batch_index", "sequence_index",
     "kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks",
 )  # fmt: skip
-# The torch engine's name for one sequence, sent to a request that asks for it: the ensemble passes it to
-# `postprocessing`, the one model Triton tells of a cancelled ensemble stream, which stops the sequence by it.
-ENGINE_REQUEST_ID = "engine_request_id"
-ENGINE_REQUEST_ID_INPUT = "ENGINE_REQUEST_ID"  # postprocessing's
 # output_ids first: tensorrtllm_backend's benchmark client reads the first output's shape as [1, beam, len].
 ENGINE_OUTPUTS = ("output_ids", "sequence_length", *LOG_PROB_OUTPUTS, *SPEC_OUTPUTS, *UPSTREAM_OUTPUTS)
 # The ensemble's and the BLS's tensors (tensorrtllm_backend's names), what clients send and receive.
@@ -116,19 +112,7 @@ class EngineRequest:
 
 @dataclass(frozen=True)
 class StopRequest:
-    """`stop=true`: cancel the in-flight request that carries the same Triton request id, or whose
-    ENGINE_REQUEST_ID the stop request's id is."""
-
-
-def stop_request_inputs() -> dict[str, np.ndarray]:
-    """tensorrtllm_backend's `stop` request: placeholder prompt tensors (required inputs) and stop=true; the
-    request to stop is named by the stop request's own request id."""
-    return {
-        "input_ids": np.zeros((1, 1), np.int32),
-        "input_lengths": np.ones((1, 1), np.int32),
-        "request_output_len": np.ones((1, 1), np.int32),
-        "stop": np.ones((1, 1), np.bool_),
-    }
+    """`stop=true`: cancel the in-flight request that carries the same Triton request id."""
 
 
 def _short(value: object) -> str:

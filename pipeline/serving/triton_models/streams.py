@@ -61,9 +61,7 @@ class RequestState:
         group: ResponseGroup | None = None,
     ) -> None:
         self.engine_id = engine_id
-        # Tensors every response of this sequence carries: batch_index for a row of a request of several, and
-        # what the model adds (the engine's id of the sequence, to whoever asks for it).
-        self.labels: dict[str, np.ndarray] = batch_index(row) if row is not None else {}
+        self.row = row  # this sequence's row in a request of several (its responses carry batch_index)
         self.group = group or ResponseGroup(1)
         self.request = request
         self.sender = sender
@@ -127,8 +125,8 @@ class RequestState:
             reply = Reply(None, final=False)
         if reply.final and reply.outputs is not None and self.request.return_perf_metrics:
             reply.outputs.update(self._perf_outputs(output))
-        if reply.outputs is not None:
-            reply.outputs.update(self.labels)
+        if reply.outputs is not None and self.row is not None:
+            reply.outputs.update(batch_index(self.row))
         self._latency(reply, len(output.new_token_ids), now)
         return reply
 
