@@ -24,7 +24,9 @@ ROOT = Path(__file__).resolve().parents[2]
 needs_kernels = pytest.mark.skipif(
     not kernels.kernels_available(), reason=f"kernels unavailable: {kernels.kernels_unavailable_reason()}"
 )
-INT4_CASES = [(32, 96), (64, 130), (64, 96), (128, 576)]  # (group_size, in): short last groups, in % 32 != 0
+# (group_size, in): short last groups, in % 32 != 0; on AVX-512, chunk pairs of every group size they fold, an
+# odd last chunk after them, and a group size they leave to the 8-lane loop (192)
+INT4_CASES = [(32, 96), (64, 130), (64, 96), (128, 576), (32, 320), (256, 448), (192, 448)]
 
 
 def random_weight(out_f: int, in_f: int, seed: int = 0) -> torch.Tensor:
@@ -153,6 +155,18 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(in_f: int) -> None:
             kernels.set_wide_single_row(False)
     finally:
         kernels.set_wide_single_row(before)
+
+
+@needs_kernels
+@pytest.mark.parametrize(("group_size", "in_f"), INT4_CASES)
+def test_an_int4_rows_result_does_not_depend_on_the_few_rows_beside_it(group_size: int, in_f: int) -> None:
+    # Decode steps of up to four rows dot the nibbles directly (in zmm pairs of chunks on AVX-512), each row
+    # summed in one order whatever shares its step.
+    packed, scales, zeros = primitives.quantize_int4_groupwise(random_weight(37, in_f), group_size)
+    batch = torch.randn(4, in_f)
+    together = kernels.gemm_int4(batch, packed, scales, zeros, group_size)
+    for count in (1, 2, 3):
+        assert torch.equal(kernels.gemm_int4(batch[:count], packed, scales, zeros, group_size), together[:count])
 
 
 @needs_kernels
