@@ -166,7 +166,9 @@ def test_an_int4_rows_result_does_not_depend_on_the_few_rows_beside_it(group_siz
     batch = torch.randn(4, in_f)
     together = kernels.gemm_int4(batch, packed, scales, zeros, group_size)
     for count in (1, 2, 3):
-        assert torch.equal(kernels.gemm_int4(batch[:count], packed, scales, zeros, group_size), together[:count])
+        assert torch.equal(
+            kernels.gemm_int4(batch[:count], packed, scales, zeros, group_size), together[:count]
+        )
 
 
 @needs_kernels
