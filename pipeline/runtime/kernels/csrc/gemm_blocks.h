@@ -360,7 +360,7 @@ inline void int4_block(const float* x, int64_t ldx, const float* xp, const float
   if (pair_end > 0) {
     // Weight rows in groups small enough that their accumulator pairs stay in the 32 registers (four rows
     // of four activation rows spilled: 0.9x the 8-lane loop's speed); a row's sums are the same either way.
-    constexpr int RB = NB * MB <= 8 ? NB : (8 / MB > 0 ? 8 / MB : 1);
+    constexpr int RB = NB * MB <= 8 ? NB : 8 / MB;
     static_assert(NB % RB == 0, "row groups tile the block");
     for (int r0 = 0; r0 < NB; r0 += RB)
       int4_pair_sums<RB, MB>(xp, G, w + r0 * ldw, ldw, scales + r0 * G, K, gs, pair_end, next + r0 * ldw,
