@@ -10,21 +10,24 @@ the load average is printed.
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import sys
+import time
+from pathlib import Path
 
-# Before torch loads libgomp, as the CLI does (pipeline.util.openmp says why).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+from pipeline.util.openmp import default_wait_policy  # noqa: E402
+
+default_wait_policy(os.environ)  # before torch loads libgomp, as the CLI does
 
 import torch  # noqa: E402
 
 from pipeline.bench.decode import decode_speed, random_prompts  # noqa: E402
 from pipeline.runtime.core.scheduler import SchedulerConfig  # noqa: E402
-from pipeline.runtime.engine.engine_args import RunnerArgs
+from pipeline.runtime.engine.engine_args import RunnerArgs  # noqa: E402
 from pipeline.runtime.engine.llm_engine import LLMEngine  # noqa: E402
 from pipeline.runtime.kernels.build import kernel_isa  # noqa: E402
 from pipeline.runtime.kernels.ops import kernels_available, kernels_unavailable_reason  # noqa: E402
@@ -114,6 +117,7 @@ def main() -> None:
         "kernels": kernel_isa() if kernels_available() else f"off ({kernels_unavailable_reason()})",
         "fused_decoder": runner.model.fused is not None,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(default)"),
+        "gomp_spincount": os.environ.get("GOMP_SPINCOUNT", "(default)"),
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "single": single,
@@ -127,7 +131,7 @@ def main() -> None:
     print(
         f"engine {engine_dir} | threads {report['threads']} | attention {report['attention']} | "
         f"kernels {report['kernels']} | fused decoder {report['fused_decoder']} | "
-        f"OMP_WAIT_POLICY {report['omp_wait_policy']} | load avg {report['load_average']}"
+        f"OMP_WAIT_POLICY {report['omp_wait_policy']}, GOMP_SPINCOUNT {report['gomp_spincount']} | load avg {report['load_average']}"
     )
     print(
         f"single request : decode {single['decode_tok_s']} tok/s ({single['decode_tok_per_cpu_s']} per CPU-second), "

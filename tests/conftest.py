@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.util.openmp import default_wait_policy
+
 # As the CLI does, before the fixture modules load torch (pipeline.util.openmp says why).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+default_wait_policy(os.environ)
 
 pytest_plugins = ["tests.fixtures_models", "tests.fixtures_serving"]
 

@@ -111,8 +111,34 @@ def test_int8_kernel_matches_dequantize_matmul(rows: int, out_f: int, in_f: int)
     qweight, scales = primitives.quantize_int8_per_channel(random_weight(out_f, in_f))
     x = torch.randn(rows, in_f)
     bias = torch.randn(out_f)
-    ref = F.linear(x, primitives.dequantize_int8(qweight, scales), bias)
+    ref = F.linear(primitives.round_activations_int16(x), primitives.dequantize_int8(qweight, scales), bias)
     assert_close_rel(kernels.gemm_int8(x, qweight, scales, bias), ref)
+
+
+def test_int8_activations_round_to_each_rows_int16_grid() -> None:
+    x = torch.tensor([[0.5, -2.0, 1e-6, 0.0], [0.0, 0.0, 0.0, 0.0], [3.0, 1.5, -0.75, 1e-3]])
+    rounded = primitives.round_activations_int16(x)
+    scale = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-30) / primitives.ACT_QMAX
+    levels = rounded[[0, 2]] / scale[[0, 2]]
+    assert torch.equal(levels, levels.round()) and levels.abs().max() == primitives.ACT_QMAX
+    assert torch.equal(rounded[1], x[1])  # an all-zero row stays zero
+    assert rounded[0, 2] == 0.0  # below half a step
+    assert ((rounded - x).abs() <= scale / 2 * (1 + 1e-6)).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("in_f", [8192 + 96, 16384 + 96, 40000])
+def test_int8_kernel_sums_exactly_past_an_int32_lanes_range(in_f: int) -> None:
+    # Every weight and activation at full scale: each int32 lane would overflow after 8256 columns (AVX2) or
+    # 16512 (AVX-512) if the kernel did not fold its sums into int64 span by span.
+    qweight = torch.full((5, in_f), 127, dtype=torch.int8)
+    qweight[1] = -127
+    scales = torch.ones(5)
+    x = torch.ones(2, in_f)
+    y = kernels.gemm_int8(x, qweight, scales)
+    exact = 127.0 * in_f
+    torch.testing.assert_close(y[:, 0], torch.full((2,), exact), rtol=1e-6, atol=0)
+    torch.testing.assert_close(y[:, 1], torch.full((2,), -exact), rtol=1e-6, atol=0)
 
 
 @needs_kernels
@@ -202,7 +228,7 @@ def test_kernels_read_strided_activation_rows() -> None:
     wide = torch.randn(3, 200)
     x = wide[:, 10:141]
     qweight, scales = primitives.quantize_int8_per_channel(random_weight(16, 131))
-    ref = F.linear(x.contiguous(), primitives.dequantize_int8(qweight, scales))
+    ref = F.linear(primitives.round_activations_int16(x), primitives.dequantize_int8(qweight, scales))
     assert_close_rel(kernels.gemm_int8(x, qweight, scales), ref)
 
 
@@ -231,12 +257,16 @@ def test_quant_linear_both_paths_match_reference(scheme: str, group_size: int | 
     else:
         assert layer.zeros is not None
         ref_w = primitives.dequantize_int4(layer.qweight, layer.scales, layer.zeros, 64)
+
+    def ref_x(x: torch.Tensor) -> torch.Tensor:
+        return primitives.round_activations_int16(x) if scheme == "int8" else x
+
     for rows in (1, layer.max_kernel_rows, layer.max_kernel_rows + 1):  # kernel, kernel, fallback
         x = torch.randn(rows, 192)
-        assert_close_rel(layer(x), F.linear(x, ref_w, bias))
+        assert_close_rel(layer(x), F.linear(ref_x(x), ref_w, bias))
     x3 = torch.randn(2, 3, 192)  # leading dims are kept
     assert layer(x3).shape == (2, 3, 48)
-    assert_close_rel(layer(x3), F.linear(x3, ref_w, bias))
+    assert_close_rel(layer(x3), F.linear(ref_x(x3), ref_w, bias))
 
 
 @pytest.mark.parametrize(("scheme", "group_size"), [("int8", None), ("int4", 32)])
@@ -276,7 +306,8 @@ assert not kernels_available()
 print(kernels_unavailable_reason())
 w, b, x = torch.randn(40, 128), torch.randn(40), torch.randn(1, 128)
 layer = QuantLinear.from_float(w, b, "int8")
-torch.testing.assert_close(layer(x), F.linear(x, primitives.dequantize_int8(layer.qweight, layer.scales), b))
+x8 = primitives.round_activations_int16(x)
+torch.testing.assert_close(layer(x), F.linear(x8, primitives.dequantize_int8(layer.qweight, layer.scales), b))
 layer = QuantLinear.from_float(w, b, "int4", 64)
 ref = primitives.dequantize_int4(layer.qweight, layer.scales, layer.zeros, 64)
 torch.testing.assert_close(layer(x), F.linear(x, ref, b))

@@ -36,15 +36,17 @@ HEADERS = tuple(sorted(HERE.glob("*.h")))
 KERNEL_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-std=c++20")
 # Instruction sets the kernels are built for, picked from this CPU's flags (the flags are part of the cache key,
 # so hosts sharing a cache each get their own build). AVX-512 widens the vectors and doubles the registers;
-# AVX512_BF16 adds the bf16 dot product that bfloat16 engines' GEMMs use (twice the fp32 FMA's work per op).
+# AVX512_BF16 adds the bf16 dot product that bfloat16 engines' GEMMs use (twice the fp32 FMA's work per op), and
+# every CPU with it (Cooper Lake, Sapphire Rapids, Zen 4 on) has AVX512_VNNI, whose int16 dot the int8 GEMMs use.
 _AVX512 = ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
 ISA_FLAGS = {
     "avx2": ("-mavx2", "-mfma"),
     "avx512": _AVX512,
-    "avx512_bf16": (*_AVX512, "-mavx512bf16"),
+    "avx512_bf16": (*_AVX512, "-mavx512bf16", "-mavx512vnni"),
 }
 AVX512_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
 BF16_CPU_FLAG = "avx512_bf16"
+VNNI_CPU_FLAG = "avx512_vnni"
 # A lower ISA than the CPU's on request (tests, comparisons), e.g. "avx2" on an AVX-512 CPU.
 ISA_ENV = "LLMPIPE_KERNEL_ISA"
 COMPILE_TIMEOUT_S = 600
@@ -164,8 +166,8 @@ def cpu_flags() -> frozenset[str]:
 
 
 def kernel_isa() -> str:
-    """The kernels' instruction set: avx512_bf16 where this CPU has AVX-512 F/BW/VL/DQ and AVX512_BF16,
-    avx512 with the first four only, else avx2. LLMPIPE_KERNEL_ISA names a lower one to use instead."""
+    """The kernels' instruction set: avx512_bf16 where this CPU has AVX-512 F/BW/VL/DQ, AVX512_BF16 and
+    AVX512_VNNI, avx512 with the first four, else avx2. LLMPIPE_KERNEL_ISA names a lower one to use instead."""
     forced = os.environ.get(ISA_ENV, "").strip().lower()
     if forced not in ("", *ISA_FLAGS):
         raise ValueError(f"{ISA_ENV}={forced!r}: expected one of {', '.join(ISA_FLAGS)}")
@@ -173,7 +175,7 @@ def kernel_isa() -> str:
     if not cpu_flags() >= AVX512_CPU_FLAGS:
         best = "avx2"
     else:
-        best = "avx512_bf16" if BF16_CPU_FLAG in cpu_flags() else "avx512"
+        best = "avx512_bf16" if {BF16_CPU_FLAG, VNNI_CPU_FLAG} <= cpu_flags() else "avx512"
     if forced and levels.index(forced) < levels.index(best):
         return forced
     return best

@@ -165,6 +165,8 @@ int64_t linear_scratch(const LinearRef& l, int64_t M) {
       return M <= kInt4DirectMaxRows ? M * (l.K + num_groups(l)) : Int4Tile::kTileRows * l.K;
     case WeightKind::kBF16:
       return M * l.K;  // the rounded activations (bf16 or fp32)
+    case WeightKind::kInt8:
+      return M + (M * l.K + 1) / 2;  // the row scales, then the int16 activations
     default:
       return 0;
   }
@@ -188,9 +190,13 @@ void team_linear(const LinearRef& l, const float* x, int64_t M, int64_t ldx, flo
     case WeightKind::kF32:
       go(DenseF32{static_cast<const float*>(l.w)});
       break;
-    case WeightKind::kInt8:
-      go(Int8{static_cast<const int8_t*>(l.w), l.scales});
+    case WeightKind::kInt8: {
+      // Like Int4Direct: each thread quantizes its own copy of the activation rows.
+      auto* xq = reinterpret_cast<int16_t*>(scratch + M);
+      quantize_rows_int16(x, M, l.K, ldx, xq, scratch);
+      go(Int8{static_cast<const int8_t*>(l.w), l.scales, xq, scratch});
       break;
+    }
     case WeightKind::kInt4: {
       const int64_t G = num_groups(l);
       const auto* w = static_cast<const uint8_t*>(l.w);

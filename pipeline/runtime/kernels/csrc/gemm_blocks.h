@@ -19,7 +19,6 @@ struct bf16 {
 };
 
 inline float to_f32(float v) { return v; }
-inline float to_f32(int8_t v) { return static_cast<float>(v); }
 inline float to_f32(bf16 v) {
   const uint32_t b = uint32_t{v.bits} << 16;
   float f;
@@ -86,9 +85,6 @@ struct Wide {
 
 inline void vzero(Wide& a) { a.v = _mm512_setzero_ps(); }
 inline void vload(Wide& a, const float* p) { a.v = _mm512_loadu_ps(p); }
-inline void vload(Wide& a, const int8_t* p) {
-  a.v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
 inline void vload(Wide& a, const bf16* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   a.v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -99,7 +95,7 @@ inline float vsum(const Wide& a) {
 }
 #endif
 
-// Dot products of NB weight rows (fp32, int8 or bf16, row stride ldw) with MB activation rows (row stride ldx),
+// Dot products of NB weight rows (fp32 or bf16, row stride ldw) with MB activation rows (row stride ldx),
 // in vector form V (Narrow or Wide, see kStep). `next` is where the following block's weights start: they are
 // streamed into cache ahead of use.
 // NOTE: each (row, activation) dot is summed in the same order whatever V, NB and MB are.
@@ -254,6 +250,158 @@ inline void round_rows_bf16(const float* x, int64_t M, int64_t K, int64_t ldx, f
   }
 }
 #endif
+
+// int8 weights take int16 activations: each call rounds its activation rows once to 16-bit fixed point, one
+// scale per row (amax / kActQMax, the nearest level by IEEE division and round-half-even like torch.round),
+// and the products accumulate exactly in int32 lanes. With AVX512_VNNI one dpwssd does 32 multiply-adds
+// where the fp32 path converted 16 weights in two ops and then did 16 FMAs; without it, madd + add do the
+// same in two. Integer sums make a row's dot the same bits in every vector form, tile and ISA.
+// NOTE: 15 bits + sign leave each product below 2^21, so an int32 lane holds 2^9 k-steps of its pairs; dots
+// longer than that (kActSpan) are summed span by span into int64.
+constexpr float kActQMax = 16383.0f;
+constexpr int64_t kActSpan = 512 * 2 * kStep;
+
+inline float act_scale(float amax) { return amax > 0.0f ? amax / kActQMax : 1.0f; }
+
+// x [M, K] fp32 (row stride ldx) -> xq [M, K] int16 and their scales [M].
+inline void quantize_rows_int16(const float* x, int64_t M, int64_t K, int64_t ldx, int16_t* xq, float* scales) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = x + m * ldx;
+    int16_t* o = xq + m * K;
+    __m256 vmax = _mm256_setzero_ps();
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(xm + k), abs_mask));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    for (; k < K; ++k) amax = fabsf(xm[k]) > amax ? fabsf(xm[k]) : amax;
+    const float s = act_scale(amax);
+    scales[m] = s;
+    const __m256 sv = _mm256_set1_ps(s), hi = _mm256_set1_ps(kActQMax), lo = _mm256_set1_ps(-kActQMax);
+    for (k = 0; k + 8 <= K; k += 8) {
+      const __m256 q = _mm256_min_ps(_mm256_max_ps(_mm256_div_ps(_mm256_loadu_ps(xm + k), sv), lo), hi);
+      const __m256i i = _mm256_cvtps_epi32(q);  // round half to even (MXCSR default)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o + k),
+                       _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1)));
+    }
+    for (; k < K; ++k) {
+      const float q = nearbyintf(xm[k] / s);
+      o[k] = static_cast<int16_t>(q > kActQMax ? kActQMax : q < -kActQMax ? -kActQMax : q);
+    }
+  }
+}
+
+// Integer forms of Narrow and Wide: a k-step holds 2 * kStep int16 values, each int32 lane summing a pair.
+struct NarrowInt {
+  __m256i h[kStep / 8];
+};
+template <typename V>
+struct IntForm;
+template <>
+struct IntForm<Narrow> {
+  using type = NarrowInt;
+};
+
+inline void izero(NarrowInt& a) {
+  #pragma GCC unroll 16
+  for (auto& h : a.h) h = _mm256_setzero_si256();
+}
+inline void iload(NarrowInt& a, const int16_t* p) {
+  #pragma GCC unroll 16
+  for (int i = 0; i < kStep / 8; ++i) a.h[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * i));
+}
+inline void iload(NarrowInt& a, const int8_t* p) {
+  #pragma GCC unroll 16
+  for (int i = 0; i < kStep / 8; ++i)
+    a.h[i] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * i)));
+}
+inline void idot(const NarrowInt& w, const NarrowInt& x, NarrowInt& acc) {
+  #pragma GCC unroll 16
+  for (int i = 0; i < kStep / 8; ++i) {
+#if defined(__AVX512VNNI__)
+    // NOTE: written as asm because GCC 12 spilled every accumulator of the intrinsic's form to the stack
+    // (1.5-2x slower blocks); the asm's tied operand keeps them in registers.
+    asm("vpdpwssd %2, %1, %0" : "+v"(acc.h[i]) : "v"(w.h[i]), "v"(x.h[i]));
+#else
+    acc.h[i] = _mm256_add_epi32(acc.h[i], _mm256_madd_epi16(w.h[i], x.h[i]));
+#endif
+  }
+}
+inline int64_t isum(const NarrowInt& a) {
+  __m256i s = _mm256_setzero_si256();
+  for (const auto& h : a.h)
+    s = _mm256_add_epi64(s, _mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_castsi256_si128(h)),
+                                             _mm256_cvtepi32_epi64(_mm256_extracti128_si256(h, 1))));
+  const __m128i t = _mm_add_epi64(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+  return _mm_cvtsi128_si64(t) + _mm_extract_epi64(t, 1);
+}
+
+#if defined(__AVX512F__)
+struct WideInt {
+  __m512i v;
+};
+template <>
+struct IntForm<Wide> {
+  using type = WideInt;
+};
+inline void izero(WideInt& a) { a.v = _mm512_setzero_si512(); }
+inline void iload(WideInt& a, const int16_t* p) { a.v = _mm512_loadu_si512(p); }
+inline void iload(WideInt& a, const int8_t* p) {
+  a.v = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline void idot(const WideInt& w, const WideInt& x, WideInt& acc) {
+#if defined(__AVX512VNNI__)
+  asm("vpdpwssd %2, %1, %0" : "+v"(acc.v) : "v"(w.v), "v"(x.v));  // asm: see the Narrow form
+#else
+  acc.v = _mm512_add_epi32(acc.v, _mm512_madd_epi16(w.v, x.v));
+#endif
+}
+inline int64_t isum(const WideInt& a) {
+  const __m512i lo = _mm512_cvtepi32_epi64(_mm512_castsi512_si256(a.v));
+  const __m512i hi = _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(a.v, 1));
+  return _mm512_reduce_add_epi64(_mm512_add_epi64(lo, hi));
+}
+#endif
+
+// Exact integer dots of NB int8 weight rows (row stride K) with MB int16 activation rows (row stride K).
+template <typename V, int NB, int MB>
+inline void int8_block(const int16_t* x, const int8_t* w, int64_t K, const void* next, int64_t out[NB][MB]) {
+  using I = typename IntForm<V>::type;
+  constexpr int step = 2 * kStep;
+  const char* pf = static_cast<const char*>(next);
+  for (int r = 0; r < NB; ++r)
+    for (int m = 0; m < MB; ++m) out[r][m] = 0;
+  const int64_t vec_end = K / step * step;
+  for (int64_t k0 = 0; k0 < vec_end; k0 += kActSpan) {
+    const int64_t k1 = k0 + kActSpan < vec_end ? k0 + kActSpan : vec_end;
+    I acc[NB][MB];
+    #pragma GCC unroll 16
+    for (int r = 0; r < NB; ++r)
+      #pragma GCC unroll 16
+      for (int m = 0; m < MB; ++m) izero(acc[r][m]);
+    for (int64_t k = k0; k < k1; k += step) {
+      for (int j = 0; j < NB * step; j += 64) _mm_prefetch(pf + k * NB + j, _MM_HINT_T0);
+      I xv[MB];
+      #pragma GCC unroll 16
+      for (int m = 0; m < MB; ++m) iload(xv[m], x + m * K + k);
+      #pragma GCC unroll 16
+      for (int r = 0; r < NB; ++r) {
+        I wv;
+        iload(wv, w + r * K + k);
+        #pragma GCC unroll 16
+        for (int m = 0; m < MB; ++m) idot(wv, xv[m], acc[r][m]);
+      }
+    }
+    #pragma GCC unroll 16
+    for (int r = 0; r < NB; ++r)
+      #pragma GCC unroll 16
+      for (int m = 0; m < MB; ++m) out[r][m] += isum(acc[r][m]);
+  }
+  for (int r = 0; r < NB; ++r)
+    for (int m = 0; m < MB; ++m)
+      for (int64_t t = vec_end; t < K; ++t) out[r][m] += int64_t{w[r * K + t]} * x[m * K + t];
+}
 
 // int4 in 64-weight chunks: 32 bytes = eight 32-bit lanes; lane i holds q[8i .. 8i+7], nibble j at bits 4j.
 // Masking nibble j in place leaves q * 2^(4j) in each lane, which converts to fp32 exactly; the activations
@@ -464,15 +612,21 @@ struct DenseF32 {
   float scale(int64_t) const { return 1.0f; }
 };
 
+// int8 weights; `xq` and `xs` are this thread's copy of the activation rows quantized by quantize_rows_int16.
 struct Int8 {
   const int8_t* w;
   const float* scales;
+  const int16_t* xq;  // [M, K]
+  const float* xs;    // [M]
   template <int NB>
   void prepare(const Problem&, int64_t) const {}
   template <typename V, int NB, int MB>
   void block(const Problem& p, int64_t n0, int64_t m0, float out[NB][MB]) const {
     const int8_t* wb = w + n0 * p.K;
-    dense_block<V, int8_t, NB, MB>(p.x + m0 * p.ldx, p.ldx, wb, p.K, p.K, wb + NB * p.K, out);
+    int64_t dots[NB][MB];
+    int8_block<V, NB, MB>(xq + m0 * p.K, wb, p.K, wb + NB * p.K, dots);
+    for (int r = 0; r < NB; ++r)
+      for (int m = 0; m < MB; ++m) out[r][m] = static_cast<float>(dots[r][m]) * xs[m0 + m];
   }
   float scale(int64_t n) const { return scales[n]; }
 };

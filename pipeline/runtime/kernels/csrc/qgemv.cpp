@@ -8,9 +8,10 @@
 //   int4: w[N, K/2] uint8, byte j of a row = q[2j] | q[2j+1] << 4; scales/zeros[N, G] fp32 with
 //         G = ceil(K / group_size); W = (q - zeros) * scales, group by group along K.
 //
-// NOTE: every dot product accumulates in fp32 along K like the dequantize + matmul fallback; only the
+// NOTE: fp32 and int4 dots accumulate in fp32 along K like the dequantize + matmul fallback; only the
 // summation order differs (and int4 decode applies zero points through per-group activation sums), so both
-// paths agree to ~1e-6 relative; tests hold them to 1e-4.
+// paths agree to ~1e-6 relative; tests hold them to 1e-4. int8 dots take the activations rounded per row to
+// int16 (quantize_rows_int16) and sum exactly; the fallback multiplies the same rounded values in fp32.
 // Threads: OpenMP over blocks of output rows. libgomp is the one torch already loaded (same soname), so
 // these regions reuse torch's thread team instead of adding a second set of spinning threads.
 #include "gemm_blocks.h"
@@ -41,10 +42,18 @@ void llmp_gemm_f32(const float* x, int64_t M, int64_t K, int64_t ldx, const floa
   run<4>(DenseF32{w}, p, num_threads);
 }
 
-void llmp_gemm_int8(const float* x, int64_t M, int64_t K, int64_t ldx, const int8_t* w, const float* scales,
-                    const float* bias, float* y, int64_t N, int num_threads) {
+// Returns 0; -1 when the activation scratch cannot be allocated.
+int llmp_gemm_int8(const float* x, int64_t M, int64_t K, int64_t ldx, const int8_t* w, const float* scales,
+                   const float* bias, float* y, int64_t N, int num_threads) {
   const Problem p{x, M, K, ldx, N, bias, y, N, false};
-  run<4>(Int8{w, scales}, p, num_threads);
+  void* scratch = malloc(sizeof(int16_t) * M * K + sizeof(float) * M);
+  if (!scratch) return -1;
+  auto* xs = static_cast<float*>(scratch);
+  auto* xq = reinterpret_cast<int16_t*>(xs + M);
+  quantize_rows_int16(x, M, K, ldx, xq, xs);
+  run<4>(Int8{w, scales, xq, xs}, p, num_threads);
+  free(scratch);
+  return 0;
 }
 
 // Returns 0; -1 when the activation scratch cannot be allocated; -2 for a group size the chunked loop cannot

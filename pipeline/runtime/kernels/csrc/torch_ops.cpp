@@ -21,8 +21,8 @@
 extern "C" {
 void llmp_gemm_f32(const float* x, int64_t M, int64_t K, int64_t ldx, const float* w, const float* bias,
                    float* y, int64_t N, int num_threads);
-void llmp_gemm_int8(const float* x, int64_t M, int64_t K, int64_t ldx, const int8_t* w, const float* scales,
-                    const float* bias, float* y, int64_t N, int num_threads);
+int llmp_gemm_int8(const float* x, int64_t M, int64_t K, int64_t ldx, const int8_t* w, const float* scales,
+                   const float* bias, float* y, int64_t N, int num_threads);
 int llmp_gemm_int4(const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* w, const float* scales,
                    const float* zeros, int64_t group_size, const float* bias, float* y, int64_t N,
                    int num_threads);
@@ -69,9 +69,10 @@ at::Tensor gemm_int8(const at::Tensor& x_in, const at::Tensor& qweight, const at
   expect(scales, at::kFloat, {N}, "scales");
   const at::Tensor x = activations(x_in, K);
   at::Tensor y = at::empty({x.size(0), N}, x.options());
-  llmp_gemm_int8(x.const_data_ptr<float>(), x.size(0), K, x.stride(0), qweight.const_data_ptr<int8_t>(),
-                 scales.const_data_ptr<float>(), bias_ptr(bias, N), y.mutable_data_ptr<float>(), N,
-                 at::get_num_threads());
+  const int rc = llmp_gemm_int8(x.const_data_ptr<float>(), x.size(0), K, x.stride(0),
+                                qweight.const_data_ptr<int8_t>(), scales.const_data_ptr<float>(),
+                                bias_ptr(bias, N), y.mutable_data_ptr<float>(), N, at::get_num_threads());
+  TORCH_CHECK(rc == 0, "int8 kernel: out of memory for its activation scratch");
   return y;
 }
 
