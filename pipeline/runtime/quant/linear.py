@@ -3,7 +3,8 @@
 `QuantLinear` stores the tensors of `primitives.py` (the on-disk layout) as buffers and picks a path per call:
 the fused CPU kernel up to `max_kernel_rows` activation rows (decode; on AVX-512 builds prefill chunks too), else
 dequantize + torch matmul (many rows on AVX2 builds, CUDA, and wherever the kernels are unavailable). Both paths
-compute with the same fp32 weights and the same int16-rounded activations, so they agree to float rounding.
+compute with the same fp32 weights (and, for int8, the same int16-rounded activations), so they agree to float
+rounding.
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ def max_kernel_rows(kind: str) -> int:
 
 
 class QuantLinear(torch.nn.Module):
-    """y = x @ W.T + bias with W stored as int8 (per output channel) or int4 (group-wise, with zero points), x
-    rounded per row to int16 levels first (see primitives).
+    """y = x @ W.T + bias with W stored as int8 (per output channel; x rounded per row to int16 first, see
+    primitives) or int4 (group-wise, with zero points).
 
     Buffers (also `state_tensors()` keys; the engine stores them as `<layer name>.<key>`):
     `qweight` (int8 [out, in] or packed uint8 [out, in // 2]), `scales`, `zeros` (int4 only), `bias` (if any).
@@ -142,7 +143,8 @@ class QuantLinear(torch.nn.Module):
             assert self.zeros is not None and self.group_size is not None
             return kernels.gemm_int4(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias)
         bias = self.bias
-        x = primitives.round_activations_int16(x).to(x.dtype)
+        if self.scheme == "int8":
+            x = primitives.round_activations_int16(x).to(x.dtype)
         return F.linear(x, self.dequantize().to(x.dtype), None if bias is None else bias.to(x.dtype))
 
     def extra_repr(self) -> str:

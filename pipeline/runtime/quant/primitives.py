@@ -19,7 +19,7 @@ int4: group-wise along `in`, asymmetric
     checkpoint (blocks of 32 with scale and min) at group_size=32 lossless up to fp32 rounding.
     `in` must be even; group_size must be 32 or a multiple of 64 (the kernels walk K in 64-wide chunks).
 
-int8 and int4 layers multiply their weights with activations rounded per row to 16-bit fixed point (not stored):
+int8 layers multiply their weights with activations rounded per row to 16-bit fixed point (not stored):
     x[m, i] ~= q[m, i] * s[m],  s[m] = max_i |x[m, i]| / 16383 (1.0 for an all-zero row), q in [-16383, 16383]
     15 bits + sign keep the kernels' int32 sums exact (each product < 2^21); on SmolLM2-135M the rounding
     changed none of the accuracy metrics against weight-only int8 with fp32 activations.
@@ -49,8 +49,7 @@ def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
 
 
 def round_activations_int16(x: torch.Tensor) -> torch.Tensor:
-    """x [..., in] float -> fp32 q * s per row (see the module docstring): the values int8 and int4 layers
-    multiply."""
+    """x [..., in] float -> fp32 q * s per row (see the module docstring): the values int8 layers multiply."""
     x32 = x.to(torch.float32)
     amax = x32.abs().amax(dim=-1, keepdim=True)
     scale = torch.where(amax > 0, amax / ACT_QMAX, torch.ones_like(amax))

@@ -10,7 +10,6 @@
 #include <string.h>
 
 #include <atomic>
-#include <type_traits>
 
 namespace llmp {
 
@@ -322,9 +321,8 @@ inline void idot(const NarrowInt& w, const NarrowInt& x, NarrowInt& acc) {
   for (int i = 0; i < kStep / 8; ++i) {
 #if defined(__AVX512VNNI__)
     // NOTE: written as asm because GCC 12 spilled every accumulator of the intrinsic's form to the stack
-    // (1.5-2x slower blocks); the asm's tied operand keeps them in registers, and the activations may stay in
-    // L1 for the instruction to read (int4 tiles rely on that to hold more accumulators).
-    asm("vpdpwssd %2, %1, %0" : "+v"(acc.h[i]) : "v"(w.h[i]), "vm"(x.h[i]));
+    // (1.5-2x slower blocks); the asm's tied operand keeps them in registers.
+    asm("vpdpwssd %2, %1, %0" : "+v"(acc.h[i]) : "v"(w.h[i]), "v"(x.h[i]));
 #else
     acc.h[i] = _mm256_add_epi32(acc.h[i], _mm256_madd_epi16(w.h[i], x.h[i]));
 #endif
@@ -354,7 +352,7 @@ inline void iload(WideInt& a, const int8_t* p) {
 }
 inline void idot(const WideInt& w, const WideInt& x, WideInt& acc) {
 #if defined(__AVX512VNNI__)
-  asm("vpdpwssd %2, %1, %0" : "+v"(acc.v) : "v"(w.v), "vm"(x.v));  // asm: see the Narrow form
+  asm("vpdpwssd %2, %1, %0" : "+v"(acc.v) : "v"(w.v), "v"(x.v));  // asm: see the Narrow form
 #else
   acc.v = _mm512_add_epi32(acc.v, _mm512_madd_epi16(w.v, x.v));
 #endif
@@ -405,189 +403,151 @@ inline void int8_block(const int16_t* x, const int8_t* w, int64_t K, const void*
       for (int64_t t = vec_end; t < K; ++t) out[r][m] += int64_t{w[r * K + t]} * x[m * K + t];
 }
 
-// Whether the int4 kernels can walk a layer: a k-step's halves of 32 levels each lie in one group (group size 32
-// or a multiple of 64), and two levels share a byte.
-inline bool int4_shape_ok(int64_t gs, int64_t K) { return gs > 0 && (gs == 32 || gs % 64 == 0) && K % 2 == 0; }
+// int4 in 64-weight chunks: 32 bytes = eight 32-bit lanes; lane i holds q[8i .. 8i+7], nibble j at bits 4j.
+// Masking nibble j in place leaves q * 2^(4j) in each lane, which converts to fp32 exactly; the activations
+// are pre-permuted to match (xp[8j + i] = x[8i + j] * 2^(-4j)), so no unpacking or shuffling is needed and
+// the power-of-two rescale is exact. Nibble 7 is shifted down instead: masking it would set the sign bit.
+constexpr int kChunk = 64;
+// Up to this many activation rows, dotting the nibbles directly beats dequantizing tiles (measured: 3072x576,
+// one thread, 4 rows 0.35 vs 0.38 ms; 6 rows 0.50 vs 0.45 ms).
+constexpr int64_t kInt4DirectMaxRows = 4;
+
+// Whether the int4 kernels can walk a layer: the chunked loop folds group size 32 or a multiple of kChunk, and
+// two weights share a byte.
+inline bool int4_shape_ok(int64_t gs, int64_t K) {
+  return gs > 0 && (gs == 32 || gs % kChunk == 0) && K % 2 == 0;
+}
 
 // Groups per row of K weights (the last one may be short).
 inline int64_t int4_groups(int64_t K, int64_t gs) { return (K + gs - 1) / gs; }
 
-// int4 weights take the int16 activations too, as integer dots group by group. A k-step of kInt4Step levels
-// is kStep / 8 halves of 32 levels (16 packed bytes): zero-extended to int16 words, a byte's low nibble is its
-// even level and its high nibble (the word shifted right by 4) its odd one, so the activations are permuted to
-// match (permute_int4_activations) and no shuffling is needed. Per group g the int32 lanes sum q * xq exactly;
-// when a group ends they are added to fp32 lanes times the group's scale (both halves' scales: with group size
-// 32 a step holds two groups), and the zero points come in through per-group activation sums:
-//   y = xs * (sum_g s_g sum(q * xq) - sum_g s_g z_g sum(xq)).
-constexpr int kInt4Halves = kStep / 8;
-constexpr int64_t kInt4Step = 32 * kInt4Halves;
-// Folds also every 512 steps: each int32 lane takes 4 products below 2^18 a step.
-constexpr int64_t kInt4Span = 512 * kInt4Step;
+inline int nibble_shift(int j) { return j == 7 ? 0 : 4 * j; }
 
-// xq [K] (natural order) -> xp [K]: per k-step at k, half i's even levels xq[k + 32 i + 2 j] at xp[k + 16 i + j]
-// and its odd ones at xp[k + 16 kInt4Halves + 16 i + j] (j < 16); levels past the last whole step stay out.
-inline void permute_int4_activations(const int16_t* xq, int64_t K, int16_t* xp) {
-  for (int64_t k = 0; k + kInt4Step <= K; k += kInt4Step)
-    for (int i = 0; i < kInt4Halves; ++i) {
-      // A word pair (even, odd) per 32-bit lane: the even words sign-extended from the low halves, the odd
-      // ones from the high; packing interleaves 128-bit lanes, which the 64-bit permute puts back in order.
-      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + k + 32 * i));
-      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + k + 32 * i + 16));
-      const __m256i even = _mm256_packs_epi32(_mm256_srai_epi32(_mm256_slli_epi32(a, 16), 16),
-                                              _mm256_srai_epi32(_mm256_slli_epi32(b, 16), 16));
-      const __m256i odd = _mm256_packs_epi32(_mm256_srai_epi32(a, 16), _mm256_srai_epi32(b, 16));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xp + k + 16 * i), _mm256_permute4x64_epi64(even, 0xD8));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xp + k + 16 * kInt4Halves + 16 * i),
-                          _mm256_permute4x64_epi64(odd, 0xD8));
-    }
-}
-
-// The sum of n int16 levels.
-inline int32_t sum_levels(const int16_t* x, int64_t n) {
-  __m256i acc = _mm256_setzero_si256();
-  int64_t k = 0;
-  for (; k + 16 <= n; k += 16)
-    acc = _mm256_add_epi32(
-        acc, _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + k)), _mm256_set1_epi16(1)));
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-  int32_t total = _mm_cvtsi128_si32(s);
-  for (; k < n; ++k) total += x[k];
-  return total;
-}
-
-// Activation rows for the int4 kernels (prepare_int4_activations), each [M, ...].
-struct Int4Activations {
-  const float* xs;      // [M] scales
-  int32_t* xsum;        // [M, G] sums of each group's levels
-  int16_t* xq;          // [M, K] levels
-  int16_t* xp;          // [M, K] levels permuted for the k-steps
-};
-
-// A k-step's packed weights (kInt4Halves x 16 bytes at p) -> its even and odd levels as int16 words.
-inline void iload_nibbles(NarrowInt& even, NarrowInt& odd, const uint8_t* p) {
-  const __m256i low = _mm256_set1_epi16(0x0F);
-  #pragma GCC unroll 16
-  for (int i = 0; i < kInt4Halves; ++i) {
-    const __m256i words = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * i)));
-    even.h[i] = _mm256_and_si256(words, low);
-    odd.h[i] = _mm256_srli_epi16(words, 4);
-  }
-}
-
-// acc += lanes * the scale of their half (s[i] for half i).
-inline void ifold(const NarrowInt& lanes, const float* s, Narrow& acc) {
-  #pragma GCC unroll 16
-  for (int i = 0; i < kInt4Halves; ++i)
-    acc.h[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes.h[i]), _mm256_set1_ps(s[i]), acc.h[i]);
-}
-
+// AVX-512 builds take chunks in pairs: one zmm holds two chunks' 64 bytes (lanes 0-7 the first chunk's, 8-15
+// the second's), the activations permuted to match (xp[c + 16j + l] pairs chunk c's lane l with chunk c + 64's
+// lane l - 8), so a pair costs the instructions one chunk costs in a ymm: one-row int4 decode is bound by them,
+// not by memory. An odd last chunk keeps the ymm layout. The pairs fold their group sums with group size 32 or
+// 64 (four or two groups to a pair) or a multiple of a pair; other group sizes keep the ymm loop.
+constexpr int kPair = 2 * kChunk;
+inline bool int4_pairs(int64_t gs) {
 #if defined(__AVX512F__)
-inline void iload_nibbles(WideInt& even, WideInt& odd, const uint8_t* p) {
-  const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  even.v = _mm512_and_si512(words, _mm512_set1_epi16(0x0F));
-  odd.v = _mm512_srli_epi16(words, 4);
-}
-inline void ifold(const WideInt& lanes, const float* s, Wide& acc) {  // lanes 0-7: half 0, 8-15: half 1
-  const __m512 sv = _mm512_insertf32x8(_mm512_set1_ps(s[0]), _mm256_set1_ps(s[1]), 1);
-  acc.v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes.v), sv, acc.v);
-}
-#endif
-
-// Vector registers the int4 register tiles may fill.
-#if defined(__AVX512F__)
-constexpr int kVectorRegisters = 32;
+  return gs == 32 || gs == kChunk || gs % kPair == 0;
 #else
-constexpr int kVectorRegisters = 16;
+  (void)gs;
+  return false;
 #endif
-// Weight rows an int4 register tile takes with MB activation rows: its integer and fp32 accumulators and the
-// weights' even, odd and loaded words, in 3/4 of the registers (V's width each, a Narrow one counting its
-// halves; the activations are read from L1 by the dot instructions). Filling all of them made GCC spill
-// accumulators: 6-row blocks ran 1.5x slower (3072x576 and 576x1536, one thread, Zen 5).
-template <typename V, int NB, int MB>
-constexpr int int4_tile_rows() {
-  constexpr int width = std::is_same_v<V, Narrow> ? kStep / 8 : 1;
-  int rb = NB;
-  while (rb > 1 && ((2 * rb * MB + 3) * width > kVectorRegisters * 3 / 4 || NB % rb != 0)) --rb;
-  return rb;
 }
 
-// sum_g s_g sum(q * xq) over the whole k-steps of RB weight rows (packed, row stride K / 2) and MB activation
-// rows (xp: permuted, row stride K), into sums[RB][MB].
-template <typename V, int RB, int MB>
-inline void int4_step_sums(const int16_t* xp, const uint8_t* w, const float* scales, int64_t G, int64_t K,
-                           int64_t gs, const char* next, float sums[][MB]) {
-  using I = typename IntForm<V>::type;
-  const int64_t ldw = K / 2, vec_end = K / kInt4Step * kInt4Step;
-  V acc[RB][MB];
-  I lanes[RB][MB];
+inline void permute_x(const float* x, int64_t K, float* xp, bool pairs) {
+  const int64_t pair_end = pairs ? K / kPair * kPair : 0;
+  for (int64_t c = 0; c < pair_end; c += kPair)
+    for (int j = 0; j < 8; ++j)
+      for (int l = 0; l < 16; ++l)
+        xp[c + 16 * j + l] = ldexpf(x[c + (l / 8) * kChunk + 8 * (l % 8) + j], -nibble_shift(j));
+  for (int64_t c = pair_end; c + kChunk <= K; c += kChunk)
+    for (int j = 0; j < 8; ++j)
+      for (int i = 0; i < 8; ++i) xp[c + 8 * j + i] = ldexpf(x[c + 8 * i + j], -nibble_shift(j));
+}
+
+inline float nibble(const uint8_t* row, int64_t k) {
+  return static_cast<float>((row[k >> 1] >> ((k & 1) * 4)) & 0x0F);
+}
+
+#if defined(__AVX512F__)
+// The zmm pairs of int4_block for RB weight rows (row stride ldw) and MB activation rows: the q * x sums of
+// rows' pairs before pair_end, folded per group, into sums[RB][MB].
+template <int RB, int MB>
+inline void int4_pair_sums(const float* xp, int64_t G, const uint8_t* w, int64_t ldw, const float* scales,
+                           int64_t K, int64_t gs, int64_t pair_end, const char* next, float sums[][MB]) {
+  __m512 acc[RB][MB], gacc[RB][MB];
   for (int r = 0; r < RB; ++r)
-    for (int m = 0; m < MB; ++m) {
-      vzero(acc[r][m]);
-      izero(lanes[r][m]);
-    }
-  // Where the lanes next go into acc: the end of the group that starts the coming step, of a span, or of the
-  // steps (a step's halves both lie in that group or, with group size 32, each ends its own).
-  auto fold_after = [&](int64_t k) {
-    const int64_t group_end = (k / gs + 1) * gs, span_end = k + kInt4Span;
-    const int64_t end = group_end < span_end ? group_end : span_end;
-    return end < vec_end ? end : vec_end;
-  };
-  int64_t fold_at = fold_after(0);
-  for (int64_t k = 0; k < vec_end; k += kInt4Step) {
-    for (int j = 0; j < RB * kInt4Step / 2; j += 64) _mm_prefetch(next + k / 2 * RB + j, _MM_HINT_T0);
-    I xe[MB], xo[MB];
-    #pragma GCC unroll 16
-    for (int m = 0; m < MB; ++m) {
-      iload(xe[m], xp + m * K + k);
-      iload(xo[m], xp + m * K + k + 16 * kInt4Halves);
-    }
-    #pragma GCC unroll 16
+    for (int m = 0; m < MB; ++m) acc[r][m] = gacc[r][m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < pair_end; k += kPair) {
+    for (int j = 0; j < RB * kPair / 2; j += 64) _mm_prefetch(next + k / 2 * RB + j, _MM_HINT_T0);
     for (int r = 0; r < RB; ++r) {
-      I we, wo;
-      iload_nibbles(we, wo, w + r * ldw + k / 2);
-      #pragma GCC unroll 16
-      for (int m = 0; m < MB; ++m) {
-        idot(we, xe[m], lanes[r][m]);
-        idot(wo, xo[m], lanes[r][m]);
+      const __m512i v = _mm512_loadu_si512(w + r * ldw + k / 2);
+      for (int j = 0; j < 8; ++j) {
+        const __m512i q =
+            j == 7 ? _mm512_srli_epi32(v, 28) : _mm512_and_si512(v, _mm512_set1_epi32(0xF << (4 * j)));
+        const __m512 qf = _mm512_cvtepi32_ps(q);
+        for (int m = 0; m < MB; ++m)
+          gacc[r][m] = _mm512_fmadd_ps(qf, _mm512_loadu_ps(xp + m * K + k + 16 * j), gacc[r][m]);
       }
     }
-    if (k + kInt4Step < fold_at) continue;
-    fold_at = fold_after(k + kInt4Step);
+    if (gs > kChunk && (k + kPair) % gs != 0 && k + kPair < pair_end) continue;
     for (int r = 0; r < RB; ++r) {
-      float s[kInt4Halves];
-      for (int i = 0; i < kInt4Halves; ++i) s[i] = scales[r * G + (k + 32 * i) / gs];
+      const float* s = scales + r * G + k / gs;
+      const __m512 sv = gs == 32 ? _mm512_setr_ps(s[0], s[0], s[0], s[0], s[1], s[1], s[1], s[1], s[2], s[2],
+                                                  s[2], s[2], s[3], s[3], s[3], s[3])
+                        : gs == kChunk ? _mm512_insertf32x8(_mm512_set1_ps(s[0]), _mm256_set1_ps(s[1]), 1)
+                                       : _mm512_set1_ps(s[0]);
       for (int m = 0; m < MB; ++m) {
-        ifold(lanes[r][m], s, acc[r][m]);
-        izero(lanes[r][m]);
+        acc[r][m] = _mm512_fmadd_ps(gacc[r][m], sv, acc[r][m]);
+        gacc[r][m] = _mm512_setzero_ps();
       }
     }
   }
   for (int r = 0; r < RB; ++r)
-    for (int m = 0; m < MB; ++m) sums[r][m] = vsum(acc[r][m]);
+    for (int m = 0; m < MB; ++m) sums[r][m] = _mm512_reduce_add_ps(acc[r][m]);
 }
+#endif
 
-// One packed row's level at k.
-inline int nibble(const uint8_t* row, int64_t k) { return (row[k >> 1] >> ((k & 1) * 4)) & 0x0F; }
-
-// NB packed weight rows against MB activation rows, all of K: the step sums plus the levels past the last
-// whole step, minus the zero points' terms, in units of the rows' activation scales.
-template <typename V, int NB, int MB>
-inline void int4_block(const int16_t* xq, const int16_t* xp, const int32_t* xsum, int64_t G, const uint8_t* w,
-                       const float* scales, const float* zeros, int64_t K, int64_t gs, float out[NB][MB]) {
-  constexpr int RB = int4_tile_rows<V, NB, MB>();
-  const int64_t ldw = K / 2, vec_end = K / kInt4Step * kInt4Step;
+// Per group g: sum((q - z) * s * x) = s * sum(q * x) - s * z * xsum[g]. The q * x sums run in vector
+// accumulators (gacc) folded into acc with the group scale when a group ends; with group size 32 a chunk
+// holds two groups, one per 128-bit half, folded with a two-valued scale vector. `pairs` (int4_pairs) runs
+// the chunks before the last odd one in zmm pairs, the xp layout of permute_x with the same flag.
+template <int NB, int MB>
+inline void int4_block(const float* x, int64_t ldx, const float* xp, const float* xsum, int64_t G,
+                       const uint8_t* w, const float* scales, const float* zeros, int64_t K, int64_t gs,
+                       bool pairs, float out[NB][MB]) {
+  const int64_t ldw = K / 2, vec_end = K / kChunk * kChunk;
+  const int64_t pair_end = pairs ? K / kPair * kPair : 0;
   const char* next = reinterpret_cast<const char*>(w + NB * ldw);
-  for (int r0 = 0; r0 < NB; r0 += RB)
-    int4_step_sums<V, RB, MB>(xp, w + r0 * ldw, scales + r0 * G, G, K, gs, next + r0 * ldw, out + r0);
+  float pair_sums[NB][MB] = {};
+#if defined(__AVX512F__)
+  if (pair_end > 0) {
+    // Weight rows in groups small enough that their accumulator pairs stay in the 32 registers (four rows
+    // of four activation rows spilled: 0.9x the 8-lane loop's speed); a row's sums are the same either way.
+    constexpr int RB = NB * MB <= 8 ? NB : 8 / MB;
+    static_assert(NB % RB == 0, "row groups tile the block");
+    for (int r0 = 0; r0 < NB; r0 += RB)
+      int4_pair_sums<RB, MB>(xp, G, w + r0 * ldw, ldw, scales + r0 * G, K, gs, pair_end, next + r0 * ldw,
+                             pair_sums + r0);
+  }
+#endif
+  __m256 acc[NB][MB], gacc[NB][MB];
+  for (int r = 0; r < NB; ++r)
+    for (int m = 0; m < MB; ++m) acc[r][m] = gacc[r][m] = _mm256_setzero_ps();
+  for (int64_t k = pair_end; k < vec_end; k += kChunk) {
+    for (int j = 0; j < NB * kChunk / 2; j += 64) _mm_prefetch(next + k / 2 * NB + j, _MM_HINT_T0);
+    for (int r = 0; r < NB; ++r) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * ldw + k / 2));
+      for (int j = 0; j < 8; ++j) {
+        const __m256i q =
+            j == 7 ? _mm256_srli_epi32(v, 28) : _mm256_and_si256(v, _mm256_set1_epi32(0xF << (4 * j)));
+        const __m256 qf = _mm256_cvtepi32_ps(q);
+        for (int m = 0; m < MB; ++m)
+          gacc[r][m] = _mm256_fmadd_ps(qf, _mm256_loadu_ps(xp + m * K + k + 8 * j), gacc[r][m]);
+      }
+    }
+    const bool group_end = (k + kChunk) % gs == 0 || k + 2 * kChunk > K;
+    if (gs != 32 && !group_end) continue;
+    for (int r = 0; r < NB; ++r) {
+      const float* s = scales + r * G + k / gs;
+      const __m256 sv =
+          gs == 32 ? _mm256_set_m128(_mm_set1_ps(s[1]), _mm_set1_ps(s[0])) : _mm256_set1_ps(s[0]);
+      for (int m = 0; m < MB; ++m) {
+        acc[r][m] = _mm256_fmadd_ps(gacc[r][m], sv, acc[r][m]);
+        gacc[r][m] = _mm256_setzero_ps();
+      }
+    }
+  }
   for (int r = 0; r < NB; ++r)
     for (int m = 0; m < MB; ++m) {
-      float sum = out[r][m];
+      float sum = pair_sums[r][m] + hsum(acc[r][m]);
       for (int64_t k = vec_end; k < K; ++k)
-        sum += scales[r * G + k / gs] * static_cast<float>(nibble(w + r * ldw, k) * xq[m * K + k]);
-      for (int64_t g = 0; g < G; ++g)
-        sum -= scales[r * G + g] * zeros[r * G + g] * static_cast<float>(xsum[m * G + g]);
+        sum += scales[r * G + k / gs] * nibble(w + r * ldw, k) * x[m * ldx + k];
+      for (int64_t g = 0; g < G; ++g) sum -= scales[r * G + g] * zeros[r * G + g] * xsum[m * G + g];
       out[r][m] = sum;
     }
 }
@@ -689,21 +649,51 @@ struct DenseBF16 {
   float scale(int64_t) const { return 1.0f; }
 };
 
-// int4 weights against activation rows prepared by prepare_int4_activations (this thread's copy).
-struct Int4 {
+// Few activation rows (decode): dot the packed nibbles directly (zmm pairs of chunks where int4_pairs says,
+// else 8-float vectors, whatever V is: a row's result never depends on the rows beside it).
+struct Int4Direct {
   const uint8_t* w;
   const float* scales;
   const float* zeros;
-  const Int4Activations* x;
+  const float* xp;    // [M, K] permuted activations (see permute_x, with int4_pairs(gs))
+  const float* xsum;  // [M, G] activation sums per group
   int64_t gs, G;
   template <int NB>
   void prepare(const Problem&, int64_t) const {}
   template <typename V, int NB, int MB>
   void block(const Problem& p, int64_t n0, int64_t m0, float out[NB][MB]) const {
-    int4_block<V, NB, MB>(x->xq + m0 * p.K, x->xp + m0 * p.K, x->xsum + m0 * G, G, w + n0 * (p.K / 2),
-                          scales + n0 * G, zeros + n0 * G, p.K, gs, out);
+    int4_block<NB, MB>(p.x + m0 * p.ldx, p.ldx, xp + m0 * p.K, xsum + m0 * G, G, w + n0 * (p.K / 2),
+                       scales + n0 * G, zeros + n0 * G, p.K, gs, int4_pairs(gs), out);
+  }
+  float scale(int64_t) const { return 1.0f; }
+};
+
+// Several activation rows: dequantize NB weight rows once into a per-thread fp32 tile (the fallback's exact
+// values, (q - z) * s) and reuse it for every block of activation rows.
+struct Int4Tile {
+  const uint8_t* w;
+  const float* scales;
+  const float* zeros;
+  int64_t gs, G;
+  float* tiles;  // [threads, kTileRows, K]: each thread's tile is tiles + thread * tile_stride
+  int64_t tile_stride;
+  static constexpr int kTileRows = 4;
+  template <int NB>
+  float* tile(const Problem&) const {
+    static_assert(NB <= kTileRows, "tile holds at most kTileRows weight rows");
+    return tiles + omp_get_thread_num() * tile_stride;
+  }
+  template <int NB>
+  void prepare(const Problem& p, int64_t n0) const {
+    const int64_t ldw = p.K / 2;
     for (int r = 0; r < NB; ++r)
-      for (int m = 0; m < MB; ++m) out[r][m] *= x->xs[m0 + m];
+      dequant_int4_row(w + (n0 + r) * ldw, scales + (n0 + r) * G, zeros + (n0 + r) * G, p.K, gs,
+                       w + (n0 + NB) * ldw + r * ldw, tile<NB>(p) + r * p.K);
+  }
+  template <typename V, int NB, int MB>
+  void block(const Problem& p, int64_t, int64_t m0, float out[NB][MB]) const {
+    const float* t = tile<NB>(p);
+    dense_block<V, float, NB, MB>(p.x + m0 * p.ldx, p.ldx, t, p.K, p.K, t, out);
   }
   float scale(int64_t) const { return 1.0f; }
 };
@@ -788,23 +778,17 @@ inline void row_block(const Fmt& f, const Problem& p, int64_t b) {
   }
 }
 
-// Floats of scratch prepare_int4_activations needs for M rows.
-inline int64_t int4_activation_floats(int64_t M, int64_t K, int64_t G) { return M + M * G + M * K; }
-
-// The activation rows as the int4 kernels read them, laid out in `scratch` (int4_activation_floats): int16
-// levels and scales (quantize_rows_int16), the levels permuted for the k-steps and their per-group sums.
-inline Int4Activations prepare_int4_activations(const Problem& p, int64_t gs, int64_t G, float* scratch) {
-  const int64_t M = p.M, K = p.K;
-  Int4Activations a{scratch, reinterpret_cast<int32_t*>(scratch + M),
-                    reinterpret_cast<int16_t*>(scratch + M + M * G), nullptr};
-  a.xp = a.xq + M * K;
-  quantize_rows_int16(p.x, M, K, p.ldx, a.xq, scratch);
-  for (int64_t m = 0; m < M; ++m) {
-    const int16_t* xq = a.xq + m * K;
-    permute_int4_activations(xq, K, a.xp + m * K);
-    for (int64_t g = 0; g < G; ++g) a.xsum[m * G + g] = sum_levels(xq + g * gs, (g + 1) * gs < K ? gs : K - g * gs);
+// Activations for Int4Direct: permuted copies and per-group sums, both [M, ...].
+inline void prepare_int4_activations(const Problem& p, int64_t gs, int64_t G, float* xp, float* xsum) {
+  for (int64_t m = 0; m < p.M; ++m) {
+    const float* xm = p.x + m * p.ldx;
+    permute_x(xm, p.K, xp + m * p.K, int4_pairs(gs));
+    for (int64_t g = 0; g < G; ++g) {
+      float s = 0.0f;
+      for (int64_t k = g * gs; k < p.K && k < (g + 1) * gs; ++k) s += xm[k];
+      xsum[m * G + g] = s;
+    }
   }
-  return a;
 }
 
 }  // namespace llmp

@@ -8,10 +8,10 @@
 //   int4: w[N, K/2] uint8, byte j of a row = q[2j] | q[2j+1] << 4; scales/zeros[N, G] fp32 with
 //         G = ceil(K / group_size); W = (q - zeros) * scales, group by group along K.
 //
-// NOTE: fp32 dots accumulate in fp32 along K like the matmul fallback; only the summation order differs, so
-// both paths agree to ~1e-6 relative; tests hold them to 1e-4. int8 and int4 dots take the activations rounded
-// per row to int16 (quantize_rows_int16) and sum exactly (int4: per group, its zero points applied through
-// per-group activation sums); the fallback multiplies the same rounded values with the dequantized weights.
+// NOTE: fp32 and int4 dots accumulate in fp32 along K like the dequantize + matmul fallback; only the
+// summation order differs (and int4 decode applies zero points through per-group activation sums), so both
+// paths agree to ~1e-6 relative; tests hold them to 1e-4. int8 dots take the activations rounded per row to
+// int16 (quantize_rows_int16) and sum exactly; the fallback multiplies the same rounded values in fp32.
 // Threads: OpenMP over blocks of output rows. libgomp is the one torch already loaded (same soname), so
 // these regions reuse torch's thread team instead of adding a second set of spinning threads.
 #include "gemm_blocks.h"
@@ -64,10 +64,16 @@ int llmp_gemm_int4(const float* x, int64_t M, int64_t K, int64_t ldx, const uint
   if (!int4_shape_ok(group_size, K)) return -2;
   const int64_t G = int4_groups(K, group_size);
   const Problem p{x, M, K, ldx, N, bias, y, N, false};
-  float* scratch = static_cast<float*>(malloc(sizeof(float) * int4_activation_floats(M, K, G)));
+  const bool direct = M <= kInt4DirectMaxRows;
+  const int64_t scratch_floats = direct ? M * (K + G) : int64_t{num_threads} * Int4Tile::kTileRows * K;
+  float* scratch = static_cast<float*>(malloc(sizeof(float) * scratch_floats));
   if (!scratch) return -1;
-  const Int4Activations a = prepare_int4_activations(p, group_size, G, scratch);
-  run<4>(Int4{w, scales, zeros, &a, group_size, G}, p, num_threads);
+  if (direct) {
+    prepare_int4_activations(p, group_size, G, scratch, scratch + M * K);
+    run<4>(Int4Direct{w, scales, zeros, scratch, scratch + M * K, group_size, G}, p, num_threads);
+  } else {
+    run<4>(Int4Tile{w, scales, zeros, group_size, G, scratch, Int4Tile::kTileRows * K}, p, num_threads);
+  }
   free(scratch);
   return 0;
 }
