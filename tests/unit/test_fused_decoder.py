@@ -109,7 +109,9 @@ def check_layer(
     norms = [torch.rand(hidden_size, generator=gen) + 0.5 if has else None for has in has_norm]
     qkv_bias = layers[3][0].bias
     assert qkv_bias is not None
-    rounding = {"bf16": lambda t: t.bfloat16().float(), "int8": primitives.round_activations_int16}.get(scheme)
+    rounding = {"bf16": lambda t: t.bfloat16().float(), "int8": primitives.round_activations_int16}.get(
+        scheme
+    )
     deq = [d for _, d in layers]
     ref_hidden, ref_qkv = reference(hidden, attn, deq, qkv_bias, norms, inter, act, rounding)
     _, unrounded_qkv = reference(hidden, attn, deq, qkv_bias, norms, inter, act)
