@@ -67,7 +67,7 @@ inline void vload(Narrow& a, const T* p) {
   #pragma GCC unroll 16
   for (int i = 0; i < kStep / 8; ++i) a.h[i] = load8(p + 8 * i);
 }
-inline void vfma(const Narrow& w, const Narrow& x, Narrow& acc) {
+inline void vdot(const Narrow& w, const Narrow& x, Narrow& acc) {
   #pragma GCC unroll 16
   for (int i = 0; i < kStep / 8; ++i) acc.h[i] = _mm256_fmadd_ps(w.h[i], x.h[i], acc.h[i]);
 }
@@ -89,46 +89,59 @@ inline void vload(Wide& a, const bf16* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   a.v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
-inline void vfma(const Wide& w, const Wide& x, Wide& acc) { acc.v = _mm512_fmadd_ps(w.v, x.v, acc.v); }
+inline void vdot(const Wide& w, const Wide& x, Wide& acc) { acc.v = _mm512_fmadd_ps(w.v, x.v, acc.v); }
 inline float vsum(const Wide& a) {
   return hsum(_mm256_add_ps(_mm512_castps512_ps256(a.v), _mm512_extractf32x8_ps(a.v, 1)));
 }
 #endif
 
-// Dot products of NB weight rows (fp32 or bf16, row stride ldw) with MB activation rows (row stride ldx),
-// in vector form V (Narrow or Wide, see kStep). `next` is where the following block's weights start: they are
-// streamed into cache ahead of use.
-// NOTE: each (row, activation) dot is summed in the same order whatever V, NB and MB are.
-template <typename V, typename T, int NB, int MB>
-inline void dense_block(const float* x, int64_t ldx, const T* w, int64_t ldw, int64_t K, const void* next,
-                        float out[NB][MB]) {
-  V acc[NB][MB];
-  #pragma GCC unroll 16
-  for (int r = 0; r < NB; ++r)
-    #pragma GCC unroll 16
-    for (int m = 0; m < MB; ++m) vzero(acc[r][m]);
+// The register tile every format shares: over the k-steps of `step` elements in [k0, k1), MB activation vectors
+// (form O, rows of x with stride ldx) and one weight vector at a time (rows of w with stride ldw), multiplied
+// into acc[NB][MB] by vdot; the weights after the block (`next`) are streamed into cache one step ahead.
+// NOTE: each (row, activation) dot is summed in the same order whatever the form, NB and MB are.
+template <typename O, int NB, int MB, typename A, typename TX, typename TW>
+inline void tile_steps(const TX* x, int64_t ldx, const TW* w, int64_t ldw, int64_t k0, int64_t k1, int step,
+                       const void* next, A acc[NB][MB]) {
   const char* pf = static_cast<const char*>(next);
-  int64_t k = 0;
-  for (; k + kStep <= K; k += kStep) {
-    for (int j = 0; j < NB * kStep * int(sizeof(T)); j += 64)
-      _mm_prefetch(pf + k * NB * sizeof(T) + j, _MM_HINT_T0);
-    V xv[MB];
+  for (int64_t k = k0; k + step <= k1; k += step) {
+    for (int j = 0; j < NB * step * int(sizeof(TW)); j += 64)
+      _mm_prefetch(pf + k * NB * int64_t{sizeof(TW)} + j, _MM_HINT_T0);
+    O xv[MB];
     #pragma GCC unroll 16
     for (int m = 0; m < MB; ++m) vload(xv[m], x + m * ldx + k);
     #pragma GCC unroll 16
     for (int r = 0; r < NB; ++r) {
-      V wv;
+      O wv;
       vload(wv, w + r * ldw + k);
       #pragma GCC unroll 16
-      for (int m = 0; m < MB; ++m) vfma(wv, xv[m], acc[r][m]);
+      for (int m = 0; m < MB; ++m) vdot(wv, xv[m], acc[r][m]);
     }
   }
+}
+
+template <typename A, int NB, int MB>
+inline void zero_tile(A acc[NB][MB]) {
+  #pragma GCC unroll 16
+  for (int r = 0; r < NB; ++r)
+    #pragma GCC unroll 16
+    for (int m = 0; m < MB; ++m) vzero(acc[r][m]);
+}
+
+// Dot products of NB weight rows (fp32 or bf16, row stride ldw) with MB activation rows (row stride ldx),
+// in vector form V (Narrow or Wide, see kStep). `next` is where the following block's weights start.
+template <typename V, typename T, int NB, int MB>
+inline void dense_block(const float* x, int64_t ldx, const T* w, int64_t ldw, int64_t K, const void* next,
+                        float out[NB][MB]) {
+  V acc[NB][MB];
+  zero_tile<V, NB, MB>(acc);
+  tile_steps<V, NB, MB>(x, ldx, w, ldw, 0, K, kStep, next, acc);
+  const int64_t vec_end = K / kStep * kStep;
   #pragma GCC unroll 16
   for (int r = 0; r < NB; ++r)
     #pragma GCC unroll 16
     for (int m = 0; m < MB; ++m) {
       float s = vsum(acc[r][m]);
-      for (int64_t t = k; t < K; ++t) s += to_f32(w[r * ldw + t]) * x[m * ldx + t];
+      for (int64_t t = vec_end; t < K; ++t) s += to_f32(w[r * ldw + t]) * x[m * ldx + t];
       out[r][m] = s;
     }
 }
@@ -193,34 +206,17 @@ inline void vdot(const WideBf16& w, const WideBf16& x, Wide& acc) { acc.v = _mm5
 // Dot products of NB bf16 weight rows with MB bf16 activation rows (row stride K for both), as dense_block.
 template <typename V, int NB, int MB>
 inline void bf16_block(const bf16* x, const bf16* w, int64_t K, const void* next, float out[NB][MB]) {
-  using B = typename Bf16Form<V>::type;
   constexpr int step = 2 * kStep;
   V acc[NB][MB];
-  #pragma GCC unroll 16
-  for (int r = 0; r < NB; ++r)
-    #pragma GCC unroll 16
-    for (int m = 0; m < MB; ++m) vzero(acc[r][m]);
-  const char* pf = static_cast<const char*>(next);
-  int64_t k = 0;
-  for (; k + step <= K; k += step) {
-    for (int j = 0; j < NB * step * 2; j += 64) _mm_prefetch(pf + k * NB * 2 + j, _MM_HINT_T0);
-    B xv[MB];
-    #pragma GCC unroll 16
-    for (int m = 0; m < MB; ++m) vload(xv[m], x + m * K + k);
-    #pragma GCC unroll 16
-    for (int r = 0; r < NB; ++r) {
-      B wv;
-      vload(wv, w + r * K + k);
-      #pragma GCC unroll 16
-      for (int m = 0; m < MB; ++m) vdot(wv, xv[m], acc[r][m]);
-    }
-  }
+  zero_tile<V, NB, MB>(acc);
+  tile_steps<typename Bf16Form<V>::type, NB, MB>(x, K, w, K, 0, K, step, next, acc);
+  const int64_t vec_end = K / step * step;
   #pragma GCC unroll 16
   for (int r = 0; r < NB; ++r)
     #pragma GCC unroll 16
     for (int m = 0; m < MB; ++m) {
       float s = vsum(acc[r][m]);
-      for (int64_t t = k; t < K; ++t) s += to_f32(w[r * K + t]) * to_f32(x[m * K + t]);
+      for (int64_t t = vec_end; t < K; ++t) s += to_f32(w[r * K + t]) * to_f32(x[m * K + t]);
       out[r][m] = s;
     }
 }
@@ -303,20 +299,20 @@ struct IntForm<Narrow> {
   using type = NarrowInt;
 };
 
-inline void izero(NarrowInt& a) {
+inline void vzero(NarrowInt& a) {
   #pragma GCC unroll 16
   for (auto& h : a.h) h = _mm256_setzero_si256();
 }
-inline void iload(NarrowInt& a, const int16_t* p) {
+inline void vload(NarrowInt& a, const int16_t* p) {
   #pragma GCC unroll 16
   for (int i = 0; i < kStep / 8; ++i) a.h[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * i));
 }
-inline void iload(NarrowInt& a, const int8_t* p) {
+inline void vload(NarrowInt& a, const int8_t* p) {
   #pragma GCC unroll 16
   for (int i = 0; i < kStep / 8; ++i)
     a.h[i] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * i)));
 }
-inline void idot(const NarrowInt& w, const NarrowInt& x, NarrowInt& acc) {
+inline void vdot(const NarrowInt& w, const NarrowInt& x, NarrowInt& acc) {
   #pragma GCC unroll 16
   for (int i = 0; i < kStep / 8; ++i) {
 #if defined(__AVX512VNNI__)
@@ -345,12 +341,12 @@ template <>
 struct IntForm<Wide> {
   using type = WideInt;
 };
-inline void izero(WideInt& a) { a.v = _mm512_setzero_si512(); }
-inline void iload(WideInt& a, const int16_t* p) { a.v = _mm512_loadu_si512(p); }
-inline void iload(WideInt& a, const int8_t* p) {
+inline void vzero(WideInt& a) { a.v = _mm512_setzero_si512(); }
+inline void vload(WideInt& a, const int16_t* p) { a.v = _mm512_loadu_si512(p); }
+inline void vload(WideInt& a, const int8_t* p) {
   a.v = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-inline void idot(const WideInt& w, const WideInt& x, WideInt& acc) {
+inline void vdot(const WideInt& w, const WideInt& x, WideInt& acc) {
 #if defined(__AVX512VNNI__)
   asm("vpdpwssd %2, %1, %0" : "+v"(acc.v) : "v"(w.v), "v"(x.v));  // asm: see the Narrow form
 #else
@@ -369,30 +365,13 @@ template <typename V, int NB, int MB>
 inline void int8_block(const int16_t* x, const int8_t* w, int64_t K, const void* next, int64_t out[NB][MB]) {
   using I = typename IntForm<V>::type;
   constexpr int step = 2 * kStep;
-  const char* pf = static_cast<const char*>(next);
   for (int r = 0; r < NB; ++r)
     for (int m = 0; m < MB; ++m) out[r][m] = 0;
   const int64_t vec_end = K / step * step;
   for (int64_t k0 = 0; k0 < vec_end; k0 += kActSpan) {
-    const int64_t k1 = k0 + kActSpan < vec_end ? k0 + kActSpan : vec_end;
     I acc[NB][MB];
-    #pragma GCC unroll 16
-    for (int r = 0; r < NB; ++r)
-      #pragma GCC unroll 16
-      for (int m = 0; m < MB; ++m) izero(acc[r][m]);
-    for (int64_t k = k0; k < k1; k += step) {
-      for (int j = 0; j < NB * step; j += 64) _mm_prefetch(pf + k * NB + j, _MM_HINT_T0);
-      I xv[MB];
-      #pragma GCC unroll 16
-      for (int m = 0; m < MB; ++m) iload(xv[m], x + m * K + k);
-      #pragma GCC unroll 16
-      for (int r = 0; r < NB; ++r) {
-        I wv;
-        iload(wv, w + r * K + k);
-        #pragma GCC unroll 16
-        for (int m = 0; m < MB; ++m) idot(wv, xv[m], acc[r][m]);
-      }
-    }
+    zero_tile<I, NB, MB>(acc);
+    tile_steps<I, NB, MB>(x, K, w, K, k0, k0 + kActSpan < vec_end ? k0 + kActSpan : vec_end, step, next, acc);
     #pragma GCC unroll 16
     for (int r = 0; r < NB; ++r)
       #pragma GCC unroll 16
