@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.util.openmp import default_wait_policy  # noqa: E402
+from pipeline.util.openmp import SPIN_COUNT_VAR, WAIT_POLICY_VAR, default_wait_policy  # noqa: E402
 
 default_wait_policy(os.environ)  # before torch loads libgomp, as the CLI does
 
@@ -116,8 +116,8 @@ def main() -> None:
         "attention": runner.attention_backend,
         "kernels": kernel_isa() if kernels_available() else f"off ({kernels_unavailable_reason()})",
         "fused_decoder": runner.model.fused is not None,
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(default)"),
-        "gomp_spincount": os.environ.get("GOMP_SPINCOUNT", "(default)"),
+        "omp_wait_policy": os.environ.get(WAIT_POLICY_VAR, "(default)"),
+        "gomp_spincount": os.environ.get(SPIN_COUNT_VAR, "(default)"),
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "single": single,
@@ -131,7 +131,7 @@ def main() -> None:
     print(
         f"engine {engine_dir} | threads {report['threads']} | attention {report['attention']} | "
         f"kernels {report['kernels']} | fused decoder {report['fused_decoder']} | "
-        f"OMP_WAIT_POLICY {report['omp_wait_policy']}, GOMP_SPINCOUNT {report['gomp_spincount']} | load avg {report['load_average']}"
+        f"{WAIT_POLICY_VAR} {report['omp_wait_policy']}, {SPIN_COUNT_VAR} {report['gomp_spincount']} | load avg {report['load_average']}"
     )
     print(
         f"single request : decode {single['decode_tok_s']} tok/s ({single['decode_tok_per_cpu_s']} per CPU-second), "
