@@ -112,15 +112,20 @@ def check_layer(
     rounding = {"bf16": lambda t: t.bfloat16().float(), "int8": primitives.round_activations_int16}.get(
         scheme
     )
-    deq = [d for _, d in layers]
+    exact = [d for _, d in layers]
+    deq = exact
+    if scheme == "int4" and rows > primitives.INT4_EXACT_MAX_ROWS:  # bf16 products, as primitives says
+        rounding, deq = primitives.round_bf16, [primitives.round_bf16(d) for d in exact]
     ref_hidden, ref_qkv = reference(hidden, attn, deq, qkv_bias, norms, inter, act, rounding)
-    _, unrounded_qkv = reference(hidden, attn, deq, qkv_bias, norms, inter, act)
+    _, unrounded_qkv = reference(hidden, attn, exact, qkv_bias, norms, inter, act)
 
     plan = FusedDecoder.plan([FusedDecoder.layer_args([lin for lin, _ in layers], norms)], EPS, act)
     out = plan.run(0, hidden, attn)  # hidden is updated in place
     for got, want in ((hidden, ref_hidden), (out, ref_qkv)):
         assert got.shape == want.shape
         tolerance = {"bf16": BF16_TOLERANCE, "int8": INT8_TOLERANCE}.get(scheme or "", 1e-5)
+        if rounding is primitives.round_bf16:
+            tolerance = BF16_TOLERANCE
         assert (got - want).abs().max() <= tolerance * want.abs().max(), name
     if rounding:  # the kernel rounds its inputs as the reference does: closer to it than to unrounded inputs
         assert (out - ref_qkv).abs().max() < (out - unrounded_qkv).abs().max()
@@ -251,6 +256,18 @@ def test_moe_layer_matches_moe_forward(
     attn = torch.randn(rows, hidden_size, generator=gen)
     norms = [torch.rand(hidden_size, generator=gen) + 0.5 if has else None for has in has_norm]
     attention_output_norm, post_norm, mlp_output_norm, next_norm = norms
+    bf16_products = scheme == "int4" and rows > primitives.INT4_EXACT_MAX_ROWS  # as primitives says
+    if bf16_products:  # the weights as the kernel rounds them; the activations left unrounded, as for bf16
+        dense_w, qkv_w = primitives.round_bf16(dense_w), primitives.round_bf16(qkv_w)
+        moe_fp32 = MoEWeights(
+            moe_fp32.router,
+            *(
+                [DenseLinear(primitives.round_bf16(lin.weight)) for lin in part]
+                for part in (moe_fp32.gate_up, moe_fp32.proj)
+            ),
+            top_k,
+            normalize,
+        )
 
     want_hidden = hidden + rms_norm(attn @ dense_w.T, attention_output_norm)
     moe_out = moe_forward(rms_norm(want_hidden, post_norm), moe_fp32)
@@ -262,6 +279,8 @@ def test_moe_layer_matches_moe_forward(
     # int8: the reference multiplies unrounded activations, the kernel int16 levels (~1e-4 of each output,
     # up to 7e-4 after the output norms of "post"; the layer test holds the rounding itself to the reference's).
     tolerance = {"bf16": 1e-2, "int8": 2e-3}.get(scheme or "", 1e-5)
+    if bf16_products:
+        tolerance = 1e-2
     for got, want in ((hidden, want_hidden), (out, want_qkv)):
         assert got.shape == want.shape
         assert (got - want).abs().max() <= tolerance * want.abs().max(), name

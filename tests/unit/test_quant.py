@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from pipeline.runtime.kernels import build
 from pipeline.runtime.kernels import ops as kernels
 from pipeline.runtime.kernels.build import cache_path, compile_cached, compiler_identity
+from pipeline.runtime.quant import linear as linear_module
 from pipeline.runtime.quant import primitives
 from pipeline.runtime.quant.linear import QuantLinear, fp32_linear, max_kernel_rows
 
@@ -149,8 +150,48 @@ def test_int4_kernel_matches_dequantize_matmul(rows: int, group_size: int, in_f:
     packed, scales, zeros = primitives.quantize_int4_groupwise(random_weight(out_f, in_f), group_size)
     x = torch.randn(rows, in_f)
     bias = torch.randn(out_f)
-    ref = F.linear(x, primitives.dequantize_int4(packed, scales, zeros, group_size), bias)
+    ref = int4_reference(x, packed, scales, zeros, group_size, bias)
     assert_close_rel(kernels.gemm_int4(x, packed, scales, zeros, group_size, bias), ref)
+
+
+def int4_reference(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    rounded: bool | None = None,
+) -> torch.Tensor:
+    """The int4 layer's product as primitives documents it: exact fp32 for few rows, bf16-rounded weights and
+    activations summed in fp32 for more (or as `rounded` says)."""
+    w = primitives.dequantize_int4(packed, scales, zeros, group_size)
+    if x.shape[0] > primitives.INT4_EXACT_MAX_ROWS if rounded is None else rounded:
+        x, w = primitives.round_bf16(x), primitives.round_bf16(w)
+    return F.linear(x, w, bias)
+
+
+@needs_kernels
+@pytest.mark.parametrize(("group_size", "in_f"), [(32, 96), (128, 576)])
+def test_int4_kernel_rounds_to_bf16_from_the_same_row_count_as_the_fallback(
+    group_size: int, in_f: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    packed, scales, zeros = primitives.quantize_int4_groupwise(random_weight(64, in_f), group_size)
+    layer = QuantLinear("int4", {"qweight": packed, "scales": scales, "zeros": zeros}, group_size)
+    for rows, rounded in (
+        (primitives.INT4_EXACT_MAX_ROWS, False),
+        (primitives.INT4_EXACT_MAX_ROWS + 1, True),
+    ):
+        x = torch.randn(rows, in_f)
+        exact, bf16 = (int4_reference(x, packed, scales, zeros, group_size, rounded=r) for r in (False, True))
+        assert (exact - bf16).abs().max() > 1e-3 * exact.abs().max()  # the two products are told apart
+        want = bf16 if rounded else exact
+        assert_close_rel(kernels.gemm_int4(x, packed, scales, zeros, group_size), want, rel=1e-5)
+        with torch.no_grad():
+            assert_close_rel(layer(x), want, rel=1e-5)
+            with monkeypatch.context() as patch:  # the dequantize + matmul path
+                patch.setattr(linear_module, "_kernel_ok", lambda _x: False)
+                assert_close_rel(layer(x), want, rel=1e-5)
 
 
 @needs_kernels
@@ -252,21 +293,20 @@ def test_prefill_chunks_take_the_kernels_where_they_are_built_wide(monkeypatch: 
 def test_quant_linear_both_paths_match_reference(scheme: str, group_size: int | None) -> None:
     w, bias = random_weight(48, 192), torch.randn(48)
     layer = QuantLinear.from_float(w, bias, scheme, group_size)  # type: ignore[arg-type]
-    if scheme == "int8":
-        ref_w = primitives.dequantize_int8(layer.qweight, layer.scales)
-    else:
-        assert layer.zeros is not None
-        ref_w = primitives.dequantize_int4(layer.qweight, layer.scales, layer.zeros, 64)
 
-    def ref_x(x: torch.Tensor) -> torch.Tensor:
-        return primitives.round_activations_int16(x) if scheme == "int8" else x
+    def ref(x: torch.Tensor) -> torch.Tensor:
+        if scheme == "int8":
+            w = primitives.dequantize_int8(layer.qweight, layer.scales)
+            return F.linear(primitives.round_activations_int16(x), w, bias)
+        assert layer.zeros is not None
+        return int4_reference(x, layer.qweight, layer.scales, layer.zeros, 64, bias)
 
     for rows in (1, layer.max_kernel_rows, layer.max_kernel_rows + 1):  # kernel, kernel, fallback
         x = torch.randn(rows, 192)
-        assert_close_rel(layer(x), F.linear(ref_x(x), ref_w, bias))
+        assert_close_rel(layer(x), ref(x))
     x3 = torch.randn(2, 3, 192)  # leading dims are kept
     assert layer(x3).shape == (2, 3, 48)
-    assert_close_rel(layer(x3), F.linear(ref_x(x3), ref_w, bias))
+    assert_close_rel(layer(x3), ref(x3.reshape(6, 192)).view(2, 3, 48))
 
 
 @pytest.mark.parametrize(("scheme", "group_size"), [("int8", None), ("int4", 32)])
@@ -300,6 +340,7 @@ def test_from_packed_rejects_mismatched_tensors() -> None:
 
 FALLBACK_SCRIPT = """
 import torch, torch.nn.functional as F
+from pipeline.runtime.quant import linear as linear_module
 from pipeline.runtime.quant import primitives
 from pipeline.runtime.quant.linear import QuantLinear, kernels_available, kernels_unavailable_reason
 assert not kernels_available()

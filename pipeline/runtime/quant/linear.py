@@ -3,7 +3,8 @@
 `QuantLinear` stores the tensors of `primitives.py` (the on-disk layout) as buffers and picks a path per call:
 the fused CPU kernel up to `max_kernel_rows` activation rows (decode; on AVX-512 builds prefill chunks too), else
 dequantize + torch matmul (many rows on AVX2 builds, CUDA, and wherever the kernels are unavailable). Both paths
-compute with the same fp32 weights (and, for int8, the same int16-rounded activations), so they agree to float
+compute with the same fp32 weights (and, for int8, the same int16-rounded activations; for int4 steps of more than
+`primitives.INT4_EXACT_MAX_ROWS` rows, the same bf16-rounded weights and activations), so they agree to float
 rounding.
 """
 
@@ -123,7 +124,7 @@ class QuantLinear(torch.nn.Module):
         return sum(t.numel() * t.element_size() for t in self.state_tensors().values())
 
     def dequantize(self) -> torch.Tensor:
-        """The fp32 [out, in] weight both paths compute with."""
+        """The fp32 [out, in] weight (int4 steps of many rows round it to bf16: see primitives)."""
         # The compiled dequantizers return the primitives' exact values, several times faster.
         native = self.qweight.is_cpu and kernels_available()
         if self.scheme == "int8":
@@ -142,10 +143,12 @@ class QuantLinear(torch.nn.Module):
                 return kernels.gemm_int8(x, self.qweight, self.scales, self.bias)
             assert self.zeros is not None and self.group_size is not None
             return kernels.gemm_int4(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias)
-        bias = self.bias
+        bias, weight = self.bias, self.dequantize()
         if self.scheme == "int8":
             x = primitives.round_activations_int16(x).to(x.dtype)
-        return F.linear(x, self.dequantize().to(x.dtype), None if bias is None else bias.to(x.dtype))
+        elif x.shape[0] > primitives.INT4_EXACT_MAX_ROWS:
+            x, weight = primitives.round_bf16(x).to(x.dtype), primitives.round_bf16(weight)
+        return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
 
     def extra_repr(self) -> str:
         group = f", group_size={self.group_size}" if self.scheme == "int4" else ""

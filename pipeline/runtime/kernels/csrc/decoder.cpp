@@ -162,7 +162,8 @@ int64_t num_groups(const LinearRef& l) { return int4_groups(l.K, l.group_size); 
 int64_t linear_scratch(const LinearRef& l, int64_t M) {
   switch (l.kind) {
     case WeightKind::kInt4:
-      return M <= kInt4DirectMaxRows ? M * (l.K + num_groups(l)) : Int4Tile::kTileRows * l.K;
+      return M <= kInt4DirectMaxRows ? M * (l.K + num_groups(l))
+                                     : int4_tile_floats(l.K) + int4_tile_activation_floats(M, l.K);
     case WeightKind::kBF16:
       return M * l.K;  // the rounded activations (bf16 or fp32)
     case WeightKind::kInt8:
@@ -205,7 +206,10 @@ void team_linear(const LinearRef& l, const float* x, int64_t M, int64_t ldx, flo
         prepare_int4_activations(p, l.group_size, G, scratch, scratch + M * l.K);
         go(Int4Direct{w, l.scales, l.zeros, scratch, scratch + M * l.K, l.group_size, G});
       } else {
-        go(Int4Tile{w, l.scales, l.zeros, l.group_size, G, scratch, 0});
+        // Each thread its own tile, and its own copy of the rows the tiles are dotted with.
+        auto* xr = reinterpret_cast<Bf16Activation*>(scratch + int4_tile_floats(l.K));
+        round_rows_bf16(x, M, l.K, ldx, xr);
+        go(Int4Tile{w, l.scales, l.zeros, l.group_size, G, reinterpret_cast<Int4TileValue*>(scratch), 0, xr});
       }
       break;
     }

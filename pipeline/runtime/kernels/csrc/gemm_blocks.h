@@ -152,6 +152,30 @@ inline void dense_block(const float* x, int64_t ldx, const T* w, int64_t ldw, in
 // widened exactly, so both builds compute the same products (summed in another order).
 inline uint32_t bf16_round_bits(uint32_t b) { return b + 0x7FFFu + ((b >> 16) & 1u); }
 
+// A float rounded to the nearest bf16 (ties to even), kept as a float: what dpbf16 multiplies, for builds
+// without it.
+inline float round_bf16(float v) {
+  uint32_t b;
+  memcpy(&b, &v, sizeof b);
+  b = bf16_round_bits(b) & 0xFFFF0000u;
+  memcpy(&v, &b, sizeof b);
+  return v;
+}
+inline __m256 round_bf16(__m256 v) {
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7FFF)), odd);
+  return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+#if defined(__AVX512F__)
+inline __m512 round_bf16(__m512 v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), odd);
+  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+#endif
+
 #if defined(__AVX512BF16__)
 using Bf16Activation = bf16;
 
@@ -225,24 +249,12 @@ using Bf16Activation = float;
 
 // x [M, K] fp32 (row stride ldx) -> xr [M, K] fp32 holding the bf16-rounded values.
 inline void round_rows_bf16(const float* x, int64_t M, int64_t K, int64_t ldx, float* xr) {
-  const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7FFF),
-                high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t m = 0; m < M; ++m) {
     const float* xm = x + m * ldx;
     float* o = xr + m * K;
     int64_t k = 0;
-    for (; k + 8 <= K; k += 8) {
-      const __m256i b = _mm256_castps_si256(_mm256_loadu_ps(xm + k));
-      const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), one);
-      const __m256i r = _mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(b, bias), odd), high);
-      _mm256_storeu_ps(o + k, _mm256_castsi256_ps(r));
-    }
-    for (; k < K; ++k) {
-      uint32_t b;
-      memcpy(&b, xm + k, sizeof b);
-      b = bf16_round_bits(b) & 0xFFFF0000u;
-      memcpy(o + k, &b, sizeof b);
-    }
+    for (; k + 8 <= K; k += 8) _mm256_storeu_ps(o + k, round_bf16(_mm256_loadu_ps(xm + k)));
+    for (; k < K; ++k) o[k] = round_bf16(xm[k]);
   }
 }
 #endif
@@ -389,6 +401,7 @@ inline void int8_block(const int16_t* x, const int8_t* w, int64_t K, const void*
 constexpr int kChunk = 64;
 // Up to this many activation rows, dotting the nibbles directly beats dequantizing tiles (measured: 3072x576,
 // one thread, 4 rows 0.35 vs 0.38 ms; 6 rows 0.50 vs 0.45 ms).
+// Steps of more rows multiply bf16-rounded values (Int4Tile), as primitives.INT4_EXACT_MAX_ROWS says.
 constexpr int64_t kInt4DirectMaxRows = 4;
 
 // Whether the int4 kernels can walk a layer: the chunked loop folds group size 32 or a multiple of kChunk, and
@@ -531,9 +544,45 @@ inline void int4_block(const float* x, int64_t ldx, const float* xp, const float
     }
 }
 
-// One packed row -> fp32 in K order, computed as (q - z) * s like dequantize_int4 in primitives.py.
+// Multi-row int4 steps multiply bf16-rounded weights and activations (summed in fp32, like a bf16 layer): with
+// AVX512_BF16 the weight tiles are bf16 and dpbf16 does twice the multiply-adds per instruction of fp32 FMAs;
+// other builds hold the same rounded values in fp32 tiles, so every build computes the same products.
+#if defined(__AVX512BF16__)
+using Int4TileValue = bf16;
+#else
+using Int4TileValue = float;
+#endif
+
+// Where dequant_int4_row puts its values: out is fp32 (exact, like dequantize_int4 in primitives.py) unless
+// kRound, then rounded to bf16 (stored as bf16 or as fp32).
+template <bool kRound>
+inline void put(float* out, float v) { *out = kRound ? round_bf16(v) : v; }
+template <bool kRound>
+inline void put(bf16* out, float v) {
+  static_assert(kRound, "bf16 values are rounded");
+  uint32_t b;
+  memcpy(&b, &v, sizeof b);
+  out->bits = static_cast<uint16_t>(bf16_round_bits(b) >> 16);
+}
+#if defined(__AVX512F__)
+template <bool kRound>
+inline void put16(float* out, __m512 v) { _mm512_storeu_ps(out, kRound ? round_bf16(v) : v); }
+#if defined(__AVX512BF16__)
+template <bool kRound>
+inline void put16(bf16* out, __m512 v) {
+  static_assert(kRound, "bf16 values are rounded");
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(v));
+}
+#endif
+#else
+template <bool kRound>
+inline void put8(float* out, __m256 v) { _mm256_storeu_ps(out, kRound ? round_bf16(v) : v); }
+#endif
+
+// One packed row -> (q - z) * s in K order, computed in fp32 like dequantize_int4 in primitives.py.
+template <bool kRound = false, typename T = float>
 inline void dequant_int4_row(const uint8_t* w, const float* scales, const float* zeros, int64_t K, int64_t gs,
-                             const void* next, float* out) {
+                             const void* next, T* out) {
   const __m128i mask = _mm_set1_epi8(0x0F);
   const char* pf = static_cast<const char*>(next);
   for (int64_t g0 = 0; g0 < K; g0 += gs) {
@@ -554,17 +603,17 @@ inline void dequant_int4_row(const uint8_t* w, const float* scales, const float*
       const __m128i parts[2] = {lo, hi};
       for (int i = 0; i < 2; ++i) {
         const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(parts[i]));
-        _mm512_storeu_ps(out + k + 16 * i, _mm512_mul_ps(_mm512_sub_ps(q, zv), sv));
+        put16<kRound>(out + k + 16 * i, _mm512_mul_ps(_mm512_sub_ps(q, zv), sv));
       }
 #else
       const __m128i parts[4] = {lo, _mm_unpackhi_epi64(lo, lo), hi, _mm_unpackhi_epi64(hi, hi)};
       for (int i = 0; i < 4; ++i) {
         const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i]));
-        _mm256_storeu_ps(out + k + 8 * i, _mm256_mul_ps(_mm256_sub_ps(q, zv), sv));
+        put8<kRound>(out + k + 8 * i, _mm256_mul_ps(_mm256_sub_ps(q, zv), sv));
       }
 #endif
     }
-    for (; k < g1; ++k) out[k] = (nibble(w, k) - z) * s;
+    for (; k < g1; ++k) put<kRound>(out + k, (nibble(w, k) - z) * s);
   }
 }
 
@@ -647,18 +696,19 @@ struct Int4Direct {
   float scale(int64_t) const { return 1.0f; }
 };
 
-// Several activation rows: dequantize NB weight rows once into a per-thread fp32 tile (the fallback's exact
-// values, (q - z) * s) and reuse it for every block of activation rows.
+// Several activation rows: dequantize NB weight rows once into a per-thread tile, rounded to bf16, and reuse it
+// for every block of activation rows, which are `xr`: the rows rounded by round_rows_bf16 ([M, K]).
 struct Int4Tile {
   const uint8_t* w;
   const float* scales;
   const float* zeros;
   int64_t gs, G;
-  float* tiles;  // [threads, kTileRows, K]: each thread's tile is tiles + thread * tile_stride
+  Int4TileValue* tiles;  // [threads, kTileRows, K]: each thread's tile is tiles + thread * tile_stride
   int64_t tile_stride;
+  const Bf16Activation* xr;
   static constexpr int kTileRows = 4;
   template <int NB>
-  float* tile(const Problem&) const {
+  Int4TileValue* tile(const Problem&) const {
     static_assert(NB <= kTileRows, "tile holds at most kTileRows weight rows");
     return tiles + omp_get_thread_num() * tile_stride;
   }
@@ -666,16 +716,28 @@ struct Int4Tile {
   void prepare(const Problem& p, int64_t n0) const {
     const int64_t ldw = p.K / 2;
     for (int r = 0; r < NB; ++r)
-      dequant_int4_row(w + (n0 + r) * ldw, scales + (n0 + r) * G, zeros + (n0 + r) * G, p.K, gs,
-                       w + (n0 + NB) * ldw + r * ldw, tile<NB>(p) + r * p.K);
+      dequant_int4_row<true>(w + (n0 + r) * ldw, scales + (n0 + r) * G, zeros + (n0 + r) * G, p.K, gs,
+                             w + (n0 + NB) * ldw + r * ldw, tile<NB>(p) + r * p.K);
   }
   template <typename V, int NB, int MB>
   void block(const Problem& p, int64_t, int64_t m0, float out[NB][MB]) const {
-    const float* t = tile<NB>(p);
-    dense_block<V, float, NB, MB>(p.x + m0 * p.ldx, p.ldx, t, p.K, p.K, t, out);
+    const Int4TileValue* t = tile<NB>(p);
+#if defined(__AVX512BF16__)
+    bf16_block<V, NB, MB>(xr + m0 * p.K, t, p.K, t, out);
+#else
+    dense_block<V, float, NB, MB>(xr + m0 * p.K, p.K, t, p.K, p.K, t, out);
+#endif
   }
   float scale(int64_t) const { return 1.0f; }
 };
+
+// Floats of scratch for one thread's Int4Tile tile, and for the rows it reads as xr.
+inline int64_t int4_tile_floats(int64_t K) {
+  return (Int4Tile::kTileRows * K * static_cast<int64_t>(sizeof(Int4TileValue)) + 3) / 4;
+}
+inline int64_t int4_tile_activation_floats(int64_t M, int64_t K) {
+  return (M * K * static_cast<int64_t>(sizeof(Bf16Activation)) + 3) / 4;
+}
 
 template <typename V, int NB, int MB, typename Fmt>
 inline void emit(const Fmt& f, const Problem& p, int64_t n0, int64_t m0) {
