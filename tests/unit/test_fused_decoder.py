@@ -114,8 +114,10 @@ def check_layer(
     )
     exact = [d for _, d in layers]
     deq = exact
-    if scheme == "int4" and rows > primitives.INT4_EXACT_MAX_ROWS:  # bf16 products, as primitives says
-        rounding, deq = primitives.round_bf16, [primitives.round_bf16(d) for d in exact]
+    if scheme == "int4":  # as primitives.int4_operands says: int16 levels, or bf16 products for many rows
+        rounding = primitives.round_activations_int16
+        if rows > primitives.INT4_DIRECT_MAX_ROWS:
+            rounding, deq = primitives.round_bf16, [primitives.round_bf16(d) for d in exact]
     ref_hidden, ref_qkv = reference(hidden, attn, deq, qkv_bias, norms, inter, act, rounding)
     _, unrounded_qkv = reference(hidden, attn, exact, qkv_bias, norms, inter, act)
 
@@ -123,9 +125,11 @@ def check_layer(
     out = plan.run(0, hidden, attn)  # hidden is updated in place
     for got, want in ((hidden, ref_hidden), (out, ref_qkv)):
         assert got.shape == want.shape
-        tolerance = {"bf16": BF16_TOLERANCE, "int8": INT8_TOLERANCE}.get(scheme or "", 1e-5)
-        if rounding is primitives.round_bf16:
-            tolerance = BF16_TOLERANCE
+        tolerance = {
+            primitives.round_bf16: BF16_TOLERANCE,
+            primitives.round_activations_int16: INT8_TOLERANCE,
+        }
+        tolerance = tolerance.get(rounding, BF16_TOLERANCE if scheme == "bf16" else 1e-5)
         assert (got - want).abs().max() <= tolerance * want.abs().max(), name
     if rounding:  # the kernel rounds its inputs as the reference does: closer to it than to unrounded inputs
         assert (out - ref_qkv).abs().max() < (out - unrounded_qkv).abs().max()
@@ -256,7 +260,7 @@ def test_moe_layer_matches_moe_forward(
     attn = torch.randn(rows, hidden_size, generator=gen)
     norms = [torch.rand(hidden_size, generator=gen) + 0.5 if has else None for has in has_norm]
     attention_output_norm, post_norm, mlp_output_norm, next_norm = norms
-    bf16_products = scheme == "int4" and rows > primitives.INT4_EXACT_MAX_ROWS  # as primitives says
+    bf16_products = scheme == "int4" and rows > primitives.INT4_DIRECT_MAX_ROWS  # as primitives says
     if bf16_products:  # the weights as the kernel rounds them; the activations left unrounded, as for bf16
         dense_w, qkv_w = primitives.round_bf16(dense_w), primitives.round_bf16(qkv_w)
         moe_fp32 = MoEWeights(
@@ -278,9 +282,7 @@ def test_moe_layer_matches_moe_forward(
     out = plan.run(0, hidden, attn)
     # int8: the reference multiplies unrounded activations, the kernel int16 levels (~1e-4 of each output,
     # up to 7e-4 after the output norms of "post"; the layer test holds the rounding itself to the reference's).
-    tolerance = {"bf16": 1e-2, "int8": 2e-3}.get(scheme or "", 1e-5)
-    if bf16_products:
-        tolerance = 1e-2
+    tolerance = {"bf16": 1e-2, "int8": 2e-3, "int4": 1e-2 if bf16_products else 2e-3}.get(scheme or "", 1e-5)
     for got, want in ((hidden, want_hidden), (out, want_qkv)):
         assert got.shape == want.shape
         assert (got - want).abs().max() <= tolerance * want.abs().max(), name
@@ -375,8 +377,9 @@ def assert_steps_match(fused: list[torch.Tensor], plain: list[torch.Tensor], sch
     for fused_step, plain_step in zip(fused, plain, strict=True):
         if scheme == "bf16":  # a few bf16 roundings (2^-9) per layer, compounded over 3 layers
             assert (fused_step - plain_step).abs().max() <= 2e-2 * plain_step.abs().max()
-        else:  # int8: both round to int16 levels; an input differing in its last bit may land a level apart
-            tolerance = INT8_TOLERANCE if scheme == "int8" else 1e-5
+        else:  # int8 / int4: both round to int16 levels (int4: or bf16 in the prefill); an input differing in
+            # its last bit may land a level apart
+            tolerance = INT8_TOLERANCE if scheme in ("int8", "int4") else 1e-5
             assert torch.allclose(fused_step, plain_step, atol=tolerance, rtol=tolerance)
 
 

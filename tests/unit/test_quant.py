@@ -161,31 +161,27 @@ def int4_reference(
     zeros: torch.Tensor,
     group_size: int,
     bias: torch.Tensor | None = None,
-    rounded: bool | None = None,
 ) -> torch.Tensor:
-    """The int4 layer's product as primitives documents it: exact fp32 for few rows, bf16-rounded weights and
-    activations summed in fp32 for more (or as `rounded` says)."""
-    w = primitives.dequantize_int4(packed, scales, zeros, group_size)
-    if x.shape[0] > primitives.INT4_EXACT_MAX_ROWS if rounded is None else rounded:
-        x, w = primitives.round_bf16(x), primitives.round_bf16(w)
-    return F.linear(x, w, bias)
+    """The int4 layer's product as primitives documents it, in fp32."""
+    return F.linear(
+        *primitives.int4_operands(x, primitives.dequantize_int4(packed, scales, zeros, group_size)), bias
+    )
 
 
 @needs_kernels
 @pytest.mark.parametrize(("group_size", "in_f"), [(32, 96), (128, 576)])
-def test_int4_kernel_rounds_to_bf16_from_the_same_row_count_as_the_fallback(
+def test_int4_kernel_switches_roundings_at_the_same_row_count_as_the_fallback(
     group_size: int, in_f: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     packed, scales, zeros = primitives.quantize_int4_groupwise(random_weight(64, in_f), group_size)
     layer = QuantLinear("int4", {"qweight": packed, "scales": scales, "zeros": zeros}, group_size)
-    for rows, rounded in (
-        (primitives.INT4_EXACT_MAX_ROWS, False),
-        (primitives.INT4_EXACT_MAX_ROWS + 1, True),
-    ):
+    w = primitives.dequantize_int4(packed, scales, zeros, group_size)
+    for rows in (primitives.INT4_DIRECT_MAX_ROWS, primitives.INT4_DIRECT_MAX_ROWS + 1):
         x = torch.randn(rows, in_f)
-        exact, bf16 = (int4_reference(x, packed, scales, zeros, group_size, rounded=r) for r in (False, True))
-        assert (exact - bf16).abs().max() > 1e-3 * exact.abs().max()  # the two products are told apart
-        want = bf16 if rounded else exact
+        int16 = F.linear(primitives.round_activations_int16(x), w)
+        bf16 = F.linear(primitives.round_bf16(x), primitives.round_bf16(w))
+        assert (int16 - bf16).abs().max() > 1e-3 * int16.abs().max()  # the two products are told apart
+        want = int16 if rows <= primitives.INT4_DIRECT_MAX_ROWS else bf16
         assert_close_rel(kernels.gemm_int4(x, packed, scales, zeros, group_size), want, rel=1e-5)
         with torch.no_grad():
             assert_close_rel(layer(x), want, rel=1e-5)
@@ -227,8 +223,8 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(in_f: int) -> None:
 @needs_kernels
 @pytest.mark.parametrize(("group_size", "in_f"), INT4_CASES)
 def test_an_int4_rows_result_does_not_depend_on_the_few_rows_beside_it(group_size: int, in_f: int) -> None:
-    # Decode steps of up to four rows dot the nibbles directly (in zmm pairs of chunks on AVX-512), each row
-    # summed in one order whatever shares its step.
+    # Decode steps of up to four rows take integer dots per group (zmm chunks on AVX-512), each row folded in
+    # one order whatever shares its step.
     packed, scales, zeros = primitives.quantize_int4_groupwise(random_weight(37, in_f), group_size)
     batch = torch.randn(4, in_f)
     together = kernels.gemm_int4(batch, packed, scales, zeros, group_size)
@@ -340,7 +336,6 @@ def test_from_packed_rejects_mismatched_tensors() -> None:
 
 FALLBACK_SCRIPT = """
 import torch, torch.nn.functional as F
-from pipeline.runtime.quant import linear as linear_module
 from pipeline.runtime.quant import primitives
 from pipeline.runtime.quant.linear import QuantLinear, kernels_available, kernels_unavailable_reason
 assert not kernels_available()
@@ -351,7 +346,7 @@ x8 = primitives.round_activations_int16(x)
 torch.testing.assert_close(layer(x), F.linear(x8, primitives.dequantize_int8(layer.qweight, layer.scales), b))
 layer = QuantLinear.from_float(w, b, "int4", 64)
 ref = primitives.dequantize_int4(layer.qweight, layer.scales, layer.zeros, 64)
-torch.testing.assert_close(layer(x), F.linear(x, ref, b))
+torch.testing.assert_close(layer(x), F.linear(*primitives.int4_operands(x, ref), b))
 """
 
 

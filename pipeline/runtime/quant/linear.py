@@ -3,8 +3,8 @@
 `QuantLinear` stores the tensors of `primitives.py` (the on-disk layout) as buffers and picks a path per call:
 the fused CPU kernel up to `max_kernel_rows` activation rows (decode; on AVX-512 builds prefill chunks too), else
 dequantize + torch matmul (many rows on AVX2 builds, CUDA, and wherever the kernels are unavailable). Both paths
-compute with the same fp32 weights (and, for int8, the same int16-rounded activations; for int4 steps of more than
-`primitives.INT4_EXACT_MAX_ROWS` rows, the same bf16-rounded weights and activations), so they agree to float
+compute with the same fp32 weights and the same rounded activations (int8: int16 levels per row; int4: the same, or
+bf16-rounded weights and activations in steps of many rows, `primitives.int4_operands`), so they agree to float
 rounding.
 """
 
@@ -146,8 +146,9 @@ class QuantLinear(torch.nn.Module):
         bias, weight = self.bias, self.dequantize()
         if self.scheme == "int8":
             x = primitives.round_activations_int16(x).to(x.dtype)
-        elif x.shape[0] > primitives.INT4_EXACT_MAX_ROWS:
-            x, weight = primitives.round_bf16(x).to(x.dtype), primitives.round_bf16(weight)
+        else:
+            rounded, weight = primitives.int4_operands(x, weight)
+            x = rounded.to(x.dtype)
         return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
 
     def extra_repr(self) -> str:

@@ -24,11 +24,12 @@ int8 layers multiply their weights with activations rounded per row to 16-bit fi
     15 bits + sign keep the kernels' int32 sums exact (each product < 2^21); on SmolLM2-135M the rounding
     changed none of the accuracy metrics against weight-only int8 with fp32 activations.
 
-int4 layers multiply the fp32 weights above with fp32 activations in steps of up to INT4_EXACT_MAX_ROWS rows
-(decode). Steps of more rows (batched decode, prefill) round both the dequantized weights and the activations
-to bf16 first (round_bf16) and sum in fp32, as a bf16 layer does: the kernels' tiles then take bf16 dot
-products, twice the multiply-adds per instruction of fp32. The rounding (2^-9 relative) is small beside int4's
-own steps.
+int4 layers in steps of up to INT4_DIRECT_MAX_ROWS rows (decode) multiply their levels with the activations
+rounded as int8 layers round them (int16 per row), summed exactly per group and scaled by the group's fp32
+scale and zero point: the kernels take integer dot products there. Steps of more rows (batched decode, prefill)
+round both the dequantized fp32 weights and the activations to bf16 instead (round_bf16) and sum in fp32, as a
+bf16 layer does: the kernels' tiles then take bf16 dot products. Either rounding (2^-15 or 2^-9 relative) is
+small beside int4's own steps.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import torch
 INT8_QMAX = 127
 INT4_QMAX = 15
 ACT_QMAX = 16383
-INT4_EXACT_MAX_ROWS = 4  # the kernels' kInt4DirectMaxRows
+INT4_DIRECT_MAX_ROWS = 4  # the kernels' kInt4DirectMaxRows
 
 
 def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,8 +65,16 @@ def round_activations_int16(x: torch.Tensor) -> torch.Tensor:
 
 
 def round_bf16(x: torch.Tensor) -> torch.Tensor:
-    """x rounded to the nearest bf16 (ties to even), as fp32: what multi-row int4 steps multiply."""
+    """x rounded to the nearest bf16 (ties to even), as fp32: what int4 steps of many rows multiply."""
     return x.to(torch.bfloat16).to(torch.float32)
+
+
+def int4_operands(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What an int4 layer multiplies, in fp32, for activation rows x [rows, in] and its dequantized fp32
+    weight [out, in] (see the module docstring)."""
+    if x.shape[0] > INT4_DIRECT_MAX_ROWS:
+        return round_bf16(x), round_bf16(weight)
+    return round_activations_int16(x), weight
 
 
 def check_int4_shape(in_features: int, group_size: int) -> None:

@@ -162,7 +162,7 @@ int64_t num_groups(const LinearRef& l) { return int4_groups(l.K, l.group_size); 
 int64_t linear_scratch(const LinearRef& l, int64_t M) {
   switch (l.kind) {
     case WeightKind::kInt4:
-      return M <= kInt4DirectMaxRows ? M * (l.K + num_groups(l))
+      return M <= kInt4DirectMaxRows ? int4_dot_activation_floats(M, l.K, num_groups(l))
                                      : int4_tile_floats(l.K) + int4_tile_activation_floats(M, l.K);
     case WeightKind::kBF16:
       return M * l.K;  // the rounded activations (bf16 or fp32)
@@ -192,7 +192,7 @@ void team_linear(const LinearRef& l, const float* x, int64_t M, int64_t ldx, flo
       go(DenseF32{static_cast<const float*>(l.w)});
       break;
     case WeightKind::kInt8: {
-      // Like Int4Direct: each thread quantizes its own copy of the activation rows.
+      // Like int4: each thread quantizes its own copy of the activation rows.
       auto* xq = reinterpret_cast<int16_t*>(scratch + M);
       quantize_rows_int16(x, M, l.K, ldx, xq, scratch);
       go(Int8{static_cast<const int8_t*>(l.w), l.scales, xq, scratch});
@@ -202,9 +202,8 @@ void team_linear(const LinearRef& l, const float* x, int64_t M, int64_t ldx, flo
       const int64_t G = num_groups(l);
       const auto* w = static_cast<const uint8_t*>(l.w);
       if (M <= kInt4DirectMaxRows) {
-        // Each thread permutes its own copy of the (few) activation rows: cheaper than a barrier.
-        prepare_int4_activations(p, l.group_size, G, scratch, scratch + M * l.K);
-        go(Int4Direct{w, l.scales, l.zeros, scratch, scratch + M * l.K, l.group_size, G});
+        // Each thread quantizes its own copy of the (few) activation rows: cheaper than a barrier.
+        go(prepare_int4_dot_activations(p, w, l.scales, l.zeros, l.group_size, G, scratch));
       } else {
         // Each thread its own tile, and its own copy of the rows the tiles are dotted with.
         auto* xr = reinterpret_cast<Bf16Activation*>(scratch + int4_tile_floats(l.K));
@@ -214,7 +213,7 @@ void team_linear(const LinearRef& l, const float* x, int64_t M, int64_t ldx, flo
       break;
     }
     case WeightKind::kBF16: {
-      // Like Int4Direct: each thread rounds its own copy of the (few) activation rows.
+      // Like int4: each thread rounds its own copy of the activation rows.
       auto* xr = reinterpret_cast<Bf16Activation*>(scratch);
       round_rows_bf16(x, M, l.K, ldx, xr);
       go(DenseBF16{static_cast<const bf16*>(l.w), xr});

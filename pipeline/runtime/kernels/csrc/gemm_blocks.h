@@ -394,18 +394,31 @@ inline void int8_block(const int16_t* x, const int8_t* w, int64_t K, const void*
       for (int64_t t = vec_end; t < K; ++t) out[r][m] += int64_t{w[r * K + t]} * x[m * K + t];
 }
 
-// int4 in 64-weight chunks: 32 bytes = eight 32-bit lanes; lane i holds q[8i .. 8i+7], nibble j at bits 4j.
-// Masking nibble j in place leaves q * 2^(4j) in each lane, which converts to fp32 exactly; the activations
-// are pre-permuted to match (xp[8j + i] = x[8i + j] * 2^(-4j)), so no unpacking or shuffling is needed and
-// the power-of-two rescale is exact. Nibble 7 is shifted down instead: masking it would set the sign bit.
+struct Problem {
+  const float* x;
+  int64_t M, K, ldx, N;
+  const float* bias;  // [N] or null
+  float* y;           // [M, N] with row stride ldy
+  int64_t ldy;
+  bool accumulate;  // y += result (a residual add) instead of y = result
+};
+
+// int4 steps of few rows (decode) take integer dots, like int8 layers: the activation rows rounded to int16
+// levels (quantize_rows_int16), the packed bytes zero-extended to 16-bit words, each word's low nibble (the
+// even column's level) masked and its high nibble (the odd column's) shifted down, and the activations
+// de-interleaved to match (a chunk of C weights: xp[c + j] = xq[c + 2j], xp[c + C/2 + j] = xq[c + 2j + 1]),
+// so one madd / dpwssd takes C/2 weights of a row with no shuffles. Each group's int32 sums (a lane holds at
+// most gs/8 products below 2^18 each) are converted and folded into fp32 with the group's scale; zero points
+// enter through the per-group sums of the activation levels: y = xs * sum_g s_g (sum q xq - z_g sum xq).
+// A row's result is the same bits whatever rows share its block. C = 64 (zmm) where the group size allows it
+// on AVX-512 builds, else 32 (ymm).
 constexpr int kChunk = 64;
-// Up to this many activation rows, dotting the nibbles directly beats dequantizing tiles (measured: 3072x576,
-// one thread, 4 rows 0.35 vs 0.38 ms; 6 rows 0.50 vs 0.45 ms).
-// Steps of more rows multiply bf16-rounded values (Int4Tile), as primitives.INT4_EXACT_MAX_ROWS says.
+// Up to this many activation rows the integer dots beat dequantizing tiles; steps of more rows multiply
+// bf16-rounded values (Int4Tile). primitives.INT4_DIRECT_MAX_ROWS is the same number.
 constexpr int64_t kInt4DirectMaxRows = 4;
 
-// Whether the int4 kernels can walk a layer: the chunked loop folds group size 32 or a multiple of kChunk, and
-// two weights share a byte.
+// Whether the int4 kernels can walk a layer: groups are whole 32-weight chunks (size 32 or a multiple of
+// kChunk), and two weights share a byte.
 inline bool int4_shape_ok(int64_t gs, int64_t K) {
   return gs > 0 && (gs == 32 || gs % kChunk == 0) && K % 2 == 0;
 }
@@ -413,135 +426,202 @@ inline bool int4_shape_ok(int64_t gs, int64_t K) {
 // Groups per row of K weights (the last one may be short).
 inline int64_t int4_groups(int64_t K, int64_t gs) { return (K + gs - 1) / gs; }
 
-inline int nibble_shift(int j) { return j == 7 ? 0 : 4 * j; }
+inline int nibble_level(const uint8_t* row, int64_t k) { return (row[k >> 1] >> ((k & 1) * 4)) & 0x0F; }
+inline float nibble(const uint8_t* row, int64_t k) { return static_cast<float>(nibble_level(row, k)); }
 
-// AVX-512 builds take chunks in pairs: one zmm holds two chunks' 64 bytes (lanes 0-7 the first chunk's, 8-15
-// the second's), the activations permuted to match (xp[c + 16j + l] pairs chunk c's lane l with chunk c + 64's
-// lane l - 8), so a pair costs the instructions one chunk costs in a ymm: one-row int4 decode is bound by them,
-// not by memory. An odd last chunk keeps the ymm layout. The pairs fold their group sums with group size 32 or
-// 64 (four or two groups to a pair) or a multiple of a pair; other group sizes keep the ymm loop.
-constexpr int kPair = 2 * kChunk;
-inline bool int4_pairs(int64_t gs) {
+// Whether the integer dots run 64-weight zmm chunks for group size gs.
+inline bool int4_dot_wide(int64_t gs) {
 #if defined(__AVX512F__)
-  return gs == 32 || gs == kChunk || gs % kPair == 0;
+  return gs % kChunk == 0;
 #else
   (void)gs;
   return false;
 #endif
 }
 
-inline void permute_x(const float* x, int64_t K, float* xp, bool pairs) {
-  const int64_t pair_end = pairs ? K / kPair * kPair : 0;
-  for (int64_t c = 0; c < pair_end; c += kPair)
-    for (int j = 0; j < 8; ++j)
-      for (int l = 0; l < 16; ++l)
-        xp[c + 16 * j + l] = ldexpf(x[c + (l / 8) * kChunk + 8 * (l % 8) + j], -nibble_shift(j));
-  for (int64_t c = pair_end; c + kChunk <= K; c += kChunk)
-    for (int j = 0; j < 8; ++j)
-      for (int i = 0; i < 8; ++i) xp[c + 8 * j + i] = ldexpf(x[c + 8 * i + j], -nibble_shift(j));
-}
-
-inline float nibble(const uint8_t* row, int64_t k) {
-  return static_cast<float>((row[k >> 1] >> ((k & 1) * 4)) & 0x0F);
-}
+struct Int4Ymm {  // 16 packed bytes -> 16 words: 32 weights a step
+  using I = __m256i;
+  using F = __m256;
+  static constexpr int kWeights = 32;
+  static I words(const uint8_t* p) { return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static I load(const int16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static I low(I w) { return _mm256_and_si256(w, _mm256_set1_epi16(0x0F)); }
+  static I high(I w) { return _mm256_srli_epi16(w, 4); }
+  static I izero() { return _mm256_setzero_si256(); }
+  static F fzero() { return _mm256_setzero_ps(); }
+  static void dot(I& acc, I w, I x) {
+#if defined(__AVX512VNNI__)
+    asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x));  // asm: see NarrowInt's vdot
+#else
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(w, x));
+#endif
+  }
+  static F fold(F acc, I sums, float s) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(s), acc);
+  }
+  static float sum(F v) { return hsum(v); }
+};
 
 #if defined(__AVX512F__)
-// The zmm pairs of int4_block for RB weight rows (row stride ldw) and MB activation rows: the q * x sums of
-// rows' pairs before pair_end, folded per group, into sums[RB][MB].
-template <int RB, int MB>
-inline void int4_pair_sums(const float* xp, int64_t G, const uint8_t* w, int64_t ldw, const float* scales,
-                           int64_t K, int64_t gs, int64_t pair_end, const char* next, float sums[][MB]) {
-  __m512 acc[RB][MB], gacc[RB][MB];
-  for (int r = 0; r < RB; ++r)
-    for (int m = 0; m < MB; ++m) acc[r][m] = gacc[r][m] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < pair_end; k += kPair) {
-    for (int j = 0; j < RB * kPair / 2; j += 64) _mm_prefetch(next + k / 2 * RB + j, _MM_HINT_T0);
-    for (int r = 0; r < RB; ++r) {
-      const __m512i v = _mm512_loadu_si512(w + r * ldw + k / 2);
-      for (int j = 0; j < 8; ++j) {
-        const __m512i q =
-            j == 7 ? _mm512_srli_epi32(v, 28) : _mm512_and_si512(v, _mm512_set1_epi32(0xF << (4 * j)));
-        const __m512 qf = _mm512_cvtepi32_ps(q);
-        for (int m = 0; m < MB; ++m)
-          gacc[r][m] = _mm512_fmadd_ps(qf, _mm512_loadu_ps(xp + m * K + k + 16 * j), gacc[r][m]);
-      }
-    }
-    if (gs > kChunk && (k + kPair) % gs != 0 && k + kPair < pair_end) continue;
-    for (int r = 0; r < RB; ++r) {
-      const float* s = scales + r * G + k / gs;
-      const __m512 sv = gs == 32 ? _mm512_setr_ps(s[0], s[0], s[0], s[0], s[1], s[1], s[1], s[1], s[2], s[2],
-                                                  s[2], s[2], s[3], s[3], s[3], s[3])
-                        : gs == kChunk ? _mm512_insertf32x8(_mm512_set1_ps(s[0]), _mm256_set1_ps(s[1]), 1)
-                                       : _mm512_set1_ps(s[0]);
-      for (int m = 0; m < MB; ++m) {
-        acc[r][m] = _mm512_fmadd_ps(gacc[r][m], sv, acc[r][m]);
-        gacc[r][m] = _mm512_setzero_ps();
-      }
-    }
+struct Int4Zmm {  // 32 packed bytes -> 32 words: 64 weights a step
+  using I = __m512i;
+  using F = __m512;
+  static constexpr int kWeights = 64;
+  static I words(const uint8_t* p) { return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static I load(const int16_t* p) { return _mm512_loadu_si512(p); }
+  static I low(I w) { return _mm512_and_si512(w, _mm512_set1_epi16(0x0F)); }
+  static I high(I w) { return _mm512_srli_epi16(w, 4); }
+  static I izero() { return _mm512_setzero_si512(); }
+  static F fzero() { return _mm512_setzero_ps(); }
+  static void dot(I& acc, I w, I x) {
+#if defined(__AVX512VNNI__)
+    asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x));
+#else
+    acc = _mm512_add_epi32(acc, _mm512_madd_epi16(w, x));
+#endif
   }
-  for (int r = 0; r < RB; ++r)
-    for (int m = 0; m < MB; ++m) sums[r][m] = _mm512_reduce_add_ps(acc[r][m]);
-}
+  static F fold(F acc, I sums, float s) {
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(s), acc);
+  }
+  static float sum(F v) { return _mm512_reduce_add_ps(v); }
+};
 #endif
 
-// Per group g: sum((q - z) * s * x) = s * sum(q * x) - s * z * xsum[g]. The q * x sums run in vector
-// accumulators (gacc) folded into acc with the group scale when a group ends; with group size 32 a chunk
-// holds two groups, one per 128-bit half, folded with a two-valued scale vector. `pairs` (int4_pairs) runs
-// the chunks before the last odd one in zmm pairs, the xp layout of permute_x with the same flag.
+// Weight rows per pass of int4_dot_rows for MB activation rows: an fp32 and an int32 accumulator per pair,
+// with room left for the weight words and an activation vector (GCC spills otherwise).
 template <int NB, int MB>
-inline void int4_block(const float* x, int64_t ldx, const float* xp, const float* xsum, int64_t G,
-                       const uint8_t* w, const float* scales, const float* zeros, int64_t K, int64_t gs,
-                       bool pairs, float out[NB][MB]) {
-  const int64_t ldw = K / 2, vec_end = K / kChunk * kChunk;
-  const int64_t pair_end = pairs ? K / kPair * kPair : 0;
-  const char* next = reinterpret_cast<const char*>(w + NB * ldw);
-  float pair_sums[NB][MB] = {};
+constexpr int int4_dot_row_block() {
 #if defined(__AVX512F__)
-  if (pair_end > 0) {
-    // Weight rows in groups small enough that their accumulator pairs stay in the 32 registers (four rows
-    // of four activation rows spilled: 0.9x the 8-lane loop's speed); a row's sums are the same either way.
-    constexpr int RB = NB * MB <= 8 ? NB : 8 / MB;
-    static_assert(NB % RB == 0, "row groups tile the block");
-    for (int r0 = 0; r0 < NB; r0 += RB)
-      int4_pair_sums<RB, MB>(xp, G, w + r0 * ldw, ldw, scales + r0 * G, K, gs, pair_end, next + r0 * ldw,
-                             pair_sums + r0);
-  }
+  constexpr int budget = 26;
+#else
+  constexpr int budget = 11;
 #endif
-  __m256 acc[NB][MB], gacc[NB][MB];
-  for (int r = 0; r < NB; ++r)
-    for (int m = 0; m < MB; ++m) acc[r][m] = gacc[r][m] = _mm256_setzero_ps();
-  for (int64_t k = pair_end; k < vec_end; k += kChunk) {
-    for (int j = 0; j < NB * kChunk / 2; j += 64) _mm_prefetch(next + k / 2 * NB + j, _MM_HINT_T0);
-    for (int r = 0; r < NB; ++r) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * ldw + k / 2));
-      for (int j = 0; j < 8; ++j) {
-        const __m256i q =
-            j == 7 ? _mm256_srli_epi32(v, 28) : _mm256_and_si256(v, _mm256_set1_epi32(0xF << (4 * j)));
-        const __m256 qf = _mm256_cvtepi32_ps(q);
-        for (int m = 0; m < MB; ++m)
-          gacc[r][m] = _mm256_fmadd_ps(qf, _mm256_loadu_ps(xp + m * K + k + 8 * j), gacc[r][m]);
+  return NB >= 4 && 2 * 4 * MB <= budget ? 4 : NB >= 2 && 2 * 2 * MB <= budget ? 2 : 1;
+}
+
+// The group-folded sums over the whole chunks (before K / L::kWeights * L::kWeights) of RB weight rows (row
+// stride ldw, scales row stride G) with MB de-interleaved activation rows (row stride K), into sums[RB][MB].
+template <typename L, int RB, int MB>
+inline void int4_dot_rows(const int16_t* xp, int64_t K, const uint8_t* w, int64_t ldw, const float* scales,
+                          int64_t G, int64_t gs, const char* next, float sums[][MB]) {
+  using I = typename L::I;
+  using F = typename L::F;
+  constexpr int half = L::kWeights / 2;
+  F acc[RB][MB];
+  for (int r = 0; r < RB; ++r)
+    for (int m = 0; m < MB; ++m) acc[r][m] = L::fzero();
+  const int64_t vec_end = K / L::kWeights * L::kWeights;
+  for (int64_t g = 0; g < G && g * gs < vec_end; ++g) {
+    const int64_t k1 = (g + 1) * gs < vec_end ? (g + 1) * gs : vec_end;
+    I part[RB][MB];
+    for (int r = 0; r < RB; ++r)
+      for (int m = 0; m < MB; ++m) part[r][m] = L::izero();
+    for (int64_t k = g * gs; k < k1; k += L::kWeights) {
+      #pragma GCC unroll 4
+      for (int r = 0; r < RB; ++r) {
+        _mm_prefetch(next + r * ldw + k / 2, _MM_HINT_T0);
+        const I words = L::words(w + r * ldw + k / 2);
+        const I even = L::low(words), odd = L::high(words);
+        #pragma GCC unroll 4
+        for (int m = 0; m < MB; ++m) {
+          L::dot(part[r][m], even, L::load(xp + m * K + k));
+          L::dot(part[r][m], odd, L::load(xp + m * K + k + half));
+        }
       }
     }
-    const bool group_end = (k + kChunk) % gs == 0 || k + 2 * kChunk > K;
-    if (gs != 32 && !group_end) continue;
-    for (int r = 0; r < NB; ++r) {
-      const float* s = scales + r * G + k / gs;
-      const __m256 sv =
-          gs == 32 ? _mm256_set_m128(_mm_set1_ps(s[1]), _mm_set1_ps(s[0])) : _mm256_set1_ps(s[0]);
+    for (int r = 0; r < RB; ++r)
+      for (int m = 0; m < MB; ++m) acc[r][m] = L::fold(acc[r][m], part[r][m], scales[r * G + g]);
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int m = 0; m < MB; ++m) sums[r][m] = L::sum(acc[r][m]);
+}
+
+// NB weight rows (from n0) against MB activation rows of an Int4Dot problem, lane form L.
+template <typename L, int NB, int MB>
+inline void int4_dot_block(const Problem& p, const uint8_t* w, const float* scales, const float* zeros,
+                           const int16_t* xp, const float* xs, const float* xsum, int64_t gs, int64_t G,
+                           int64_t n0, int64_t m0, float out[NB][MB]) {
+  constexpr int RB = int4_dot_row_block<NB, MB>();
+  const int64_t K = p.K, ldw = K / 2, vec_end = K / L::kWeights * L::kWeights;
+  const int16_t* x = xp + m0 * K;
+  const char* next = reinterpret_cast<const char*>(w + (n0 + NB) * ldw);
+  for (int r0 = 0; r0 < NB; r0 += RB) {
+    float sums[RB][MB];
+    int4_dot_rows<L, RB, MB>(x, K, w + (n0 + r0) * ldw, ldw, scales + (n0 + r0) * G, G, gs, next + r0 * ldw, sums);
+    for (int r = 0; r < RB; ++r) {
+      const uint8_t* row = w + (n0 + r0 + r) * ldw;
+      const float* s = scales + (n0 + r0 + r) * G;
+      const float* z = zeros + (n0 + r0 + r) * G;
       for (int m = 0; m < MB; ++m) {
-        acc[r][m] = _mm256_fmadd_ps(gacc[r][m], sv, acc[r][m]);
-        gacc[r][m] = _mm256_setzero_ps();
+        float y = sums[r][m];
+        if (vec_end < K) {  // the last group's columns past the last whole chunk (stored in order)
+          int64_t tail = 0;
+          for (int64_t k = vec_end; k < K; ++k) tail += int64_t{nibble_level(row, k)} * x[m * K + k];
+          y += s[vec_end / gs] * static_cast<float>(tail);
+        }
+        float zero_terms = 0.0f;
+        for (int64_t g = 0; g < G; ++g) zero_terms += s[g] * z[g] * xsum[(m0 + m) * G + g];
+        out[r0 + r][m] = xs[m0 + m] * (y - zero_terms);
       }
     }
   }
-  for (int r = 0; r < NB; ++r)
-    for (int m = 0; m < MB; ++m) {
-      float sum = pair_sums[r][m] + hsum(acc[r][m]);
-      for (int64_t k = vec_end; k < K; ++k)
-        sum += scales[r * G + k / gs] * nibble(w + r * ldw, k) * x[m * ldx + k];
-      for (int64_t g = 0; g < G; ++g) sum -= scales[r * G + g] * zeros[r * G + g] * xsum[m * G + g];
-      out[r][m] = sum;
+}
+
+// Few activation rows (decode): the integer dots above. `xp`, `xs` and `xsum` come from
+// prepare_int4_dot_activations (this thread's copy in the decoder).
+struct Int4Dot {
+  const uint8_t* w;
+  const float* scales;
+  const float* zeros;
+  const int16_t* xp;  // [M, K] activation levels, de-interleaved per chunk
+  const float* xs;    // [M] their scales
+  const float* xsum;  // [M, G] per group sums of the levels
+  int64_t gs, G;
+  template <int NB>
+  void prepare(const Problem&, int64_t) const {}
+  template <typename V, int NB, int MB>
+  void block(const Problem& p, int64_t n0, int64_t m0, float out[NB][MB]) const {
+#if defined(__AVX512F__)
+    if (int4_dot_wide(gs)) {
+      int4_dot_block<Int4Zmm, NB, MB>(p, w, scales, zeros, xp, xs, xsum, gs, G, n0, m0, out);
+      return;
     }
+#endif
+    int4_dot_block<Int4Ymm, NB, MB>(p, w, scales, zeros, xp, xs, xsum, gs, G, n0, m0, out);
+  }
+  float scale(int64_t) const { return 1.0f; }
+};
+
+// Floats of scratch the Int4Dot activations of M rows take (prepare_int4_dot_activations).
+inline int64_t int4_dot_activation_floats(int64_t M, int64_t K, int64_t G) { return M + M * G + M * K + 1; }
+
+// p's rows -> their int16 levels de-interleaved per chunk (the columns past the last whole chunk in order),
+// their scales and per-group level sums, in `scratch` (int4_dot_activation_floats); returns the Int4Dot.
+inline Int4Dot prepare_int4_dot_activations(const Problem& p, const uint8_t* w, const float* scales,
+                                            const float* zeros, int64_t gs, int64_t G, float* scratch) {
+  const int64_t M = p.M, K = p.K;
+  float* xs = scratch;
+  float* xsum = xs + M;
+  auto* xq = reinterpret_cast<int16_t*>(xsum + M * G);
+  int16_t* xp = xq + M * K;
+  quantize_rows_int16(p.x, M, K, p.ldx, xq, xs);
+  const int64_t C = int4_dot_wide(gs) ? kChunk : 32, vec_end = K / C * C;
+  for (int64_t m = 0; m < M; ++m) {
+    const int16_t* q = xq + m * K;
+    int16_t* o = xp + m * K;
+    for (int64_t c = 0; c < vec_end; c += C)
+      for (int64_t j = 0; j < C / 2; ++j) {
+        o[c + j] = q[c + 2 * j];
+        o[c + C / 2 + j] = q[c + 2 * j + 1];
+      }
+    for (int64_t k = vec_end; k < K; ++k) o[k] = q[k];
+    for (int64_t g = 0; g < G; ++g) {
+      int64_t sum = 0;
+      for (int64_t k = g * gs; k < K && k < (g + 1) * gs; ++k) sum += q[k];
+      xsum[m * G + g] = static_cast<float>(sum);
+    }
+  }
+  return Int4Dot{w, scales, zeros, xp, xs, xsum, gs, G};
 }
 
 // Multi-row int4 steps multiply bf16-rounded weights and activations (summed in fp32, like a bf16 layer): with
@@ -617,14 +697,6 @@ inline void dequant_int4_row(const uint8_t* w, const float* scales, const float*
   }
 }
 
-struct Problem {
-  const float* x;
-  int64_t M, K, ldx, N;
-  const float* bias;  // [N] or null
-  float* y;           // [M, N] with row stride ldy
-  int64_t ldy;
-  bool accumulate;  // y += result (a residual add) instead of y = result
-};
 
 // Weight formats. `prepare` runs once per block of NB weight rows, `block` once per block of MB activation
 // rows, and `scale` turns a raw dot into an output (per-channel int8 scale, else 1).
@@ -673,25 +745,6 @@ struct DenseBF16 {
 #else
     dense_block<V, bf16, NB, MB>(xr + m0 * p.K, p.K, wb, p.K, p.K, wb + NB * p.K, out);
 #endif
-  }
-  float scale(int64_t) const { return 1.0f; }
-};
-
-// Few activation rows (decode): dot the packed nibbles directly (zmm pairs of chunks where int4_pairs says,
-// else 8-float vectors, whatever V is: a row's result never depends on the rows beside it).
-struct Int4Direct {
-  const uint8_t* w;
-  const float* scales;
-  const float* zeros;
-  const float* xp;    // [M, K] permuted activations (see permute_x, with int4_pairs(gs))
-  const float* xsum;  // [M, G] activation sums per group
-  int64_t gs, G;
-  template <int NB>
-  void prepare(const Problem&, int64_t) const {}
-  template <typename V, int NB, int MB>
-  void block(const Problem& p, int64_t n0, int64_t m0, float out[NB][MB]) const {
-    int4_block<NB, MB>(p.x + m0 * p.ldx, p.ldx, xp + m0 * p.K, xsum + m0 * G, G, w + n0 * (p.K / 2),
-                       scales + n0 * G, zeros + n0 * G, p.K, gs, int4_pairs(gs), out);
   }
   float scale(int64_t) const { return 1.0f; }
 };
@@ -816,19 +869,6 @@ inline void row_block(const Fmt& f, const Problem& p, int64_t b) {
     rows<NB>(f, p, n0);
   } else {
     for (int64_t n = n0; n < p.N; ++n) rows<1>(f, p, n);
-  }
-}
-
-// Activations for Int4Direct: permuted copies and per-group sums, both [M, ...].
-inline void prepare_int4_activations(const Problem& p, int64_t gs, int64_t G, float* xp, float* xsum) {
-  for (int64_t m = 0; m < p.M; ++m) {
-    const float* xm = p.x + m * p.ldx;
-    permute_x(xm, p.K, xp + m * p.K, int4_pairs(gs));
-    for (int64_t g = 0; g < G; ++g) {
-      float s = 0.0f;
-      for (int64_t k = g * gs; k < p.K && k < (g + 1) * gs; ++k) s += xm[k];
-      xsum[m * G + g] = s;
-    }
   }
 }
 

@@ -8,10 +8,10 @@
 //   int4: w[N, K/2] uint8, byte j of a row = q[2j] | q[2j+1] << 4; scales/zeros[N, G] fp32 with
 //         G = ceil(K / group_size); W = (q - zeros) * scales, group by group along K.
 //
-// NOTE: fp32 and int4 dots accumulate in fp32 along K like the dequantize + matmul fallback; only the
-// summation order differs (and int4 decode applies zero points through per-group activation sums), so both
-// paths agree to ~1e-6 relative; tests hold them to 1e-4. int4 steps of more than kInt4DirectMaxRows rows
-// multiply bf16-rounded weights and activations, and so does the fallback there. int8 dots take the activations rounded per row to
+// NOTE: fp32 dots accumulate in fp32 along K like the dequantize + matmul fallback; only the summation order
+// differs, so both paths agree to ~1e-6 relative; tests hold them to 1e-4. int4 steps multiply what
+// primitives.int4_operands says (int16 activation levels for few rows, bf16-rounded weights and activations for
+// many), and so does the fallback. int8 dots take the activations rounded per row to
 // int16 (quantize_rows_int16) and sum exactly; the fallback multiplies the same rounded values in fp32.
 // Threads: OpenMP over blocks of output rows. libgomp is the one torch already loaded (same soname), so
 // these regions reuse torch's thread team instead of adding a second set of spinning threads.
@@ -66,13 +66,12 @@ int llmp_gemm_int4(const float* x, int64_t M, int64_t K, int64_t ldx, const uint
   const int64_t G = int4_groups(K, group_size);
   const Problem p{x, M, K, ldx, N, bias, y, N, false};
   const bool direct = M <= kInt4DirectMaxRows;
-  const int64_t scratch_floats =
-      direct ? M * (K + G) : int4_tile_activation_floats(M, K) + int64_t{num_threads} * int4_tile_floats(K);
+  const int64_t scratch_floats = direct ? int4_dot_activation_floats(M, K, G)
+                                        : int4_tile_activation_floats(M, K) + int64_t{num_threads} * int4_tile_floats(K);
   float* scratch = static_cast<float*>(malloc(sizeof(float) * scratch_floats));
   if (!scratch) return -1;
   if (direct) {
-    prepare_int4_activations(p, group_size, G, scratch, scratch + M * K);
-    run<4>(Int4Direct{w, scales, zeros, scratch, scratch + M * K, group_size, G}, p, num_threads);
+    run<4>(prepare_int4_dot_activations(p, w, scales, zeros, group_size, G, scratch), p, num_threads);
   } else {
     auto* xr = reinterpret_cast<Bf16Activation*>(scratch);
     round_rows_bf16(p.x, p.M, p.K, p.ldx, xr);
