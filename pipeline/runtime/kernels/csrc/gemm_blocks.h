@@ -324,17 +324,29 @@ inline void vload(NarrowInt& a, const int8_t* p) {
   for (int i = 0; i < kStep / 8; ++i)
     a.h[i] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * i)));
 }
+// acc += the products of w's and x's int16 pairs, summed per int32 lane: dpwssd with AVX512_VNNI, else madd + add.
+// NOTE: written as asm because GCC 12 spilled every accumulator of the intrinsic's form to the stack (1.5-2x
+// slower blocks); the asm's tied operand keeps them in registers.
+inline void dot_pairs(__m256i& acc, __m256i w, __m256i x) {
+#if defined(__AVX512VNNI__)
+  asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x));
+#else
+  acc = _mm256_add_epi32(acc, _mm256_madd_epi16(w, x));
+#endif
+}
+#if defined(__AVX512F__)
+inline void dot_pairs(__m512i& acc, __m512i w, __m512i x) {
+#if defined(__AVX512VNNI__)
+  asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x));
+#else
+  acc = _mm512_add_epi32(acc, _mm512_madd_epi16(w, x));
+#endif
+}
+#endif
+
 inline void vdot(const NarrowInt& w, const NarrowInt& x, NarrowInt& acc) {
   #pragma GCC unroll 16
-  for (int i = 0; i < kStep / 8; ++i) {
-#if defined(__AVX512VNNI__)
-    // NOTE: written as asm because GCC 12 spilled every accumulator of the intrinsic's form to the stack
-    // (1.5-2x slower blocks); the asm's tied operand keeps them in registers.
-    asm("vpdpwssd %2, %1, %0" : "+v"(acc.h[i]) : "v"(w.h[i]), "v"(x.h[i]));
-#else
-    acc.h[i] = _mm256_add_epi32(acc.h[i], _mm256_madd_epi16(w.h[i], x.h[i]));
-#endif
-  }
+  for (int i = 0; i < kStep / 8; ++i) dot_pairs(acc.h[i], w.h[i], x.h[i]);
 }
 inline int64_t isum(const NarrowInt& a) {
   __m256i s = _mm256_setzero_si256();
@@ -358,13 +370,7 @@ inline void vload(WideInt& a, const int16_t* p) { a.v = _mm512_loadu_si512(p); }
 inline void vload(WideInt& a, const int8_t* p) {
   a.v = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-inline void vdot(const WideInt& w, const WideInt& x, WideInt& acc) {
-#if defined(__AVX512VNNI__)
-  asm("vpdpwssd %2, %1, %0" : "+v"(acc.v) : "v"(w.v), "v"(x.v));  // asm: see the Narrow form
-#else
-  acc.v = _mm512_add_epi32(acc.v, _mm512_madd_epi16(w.v, x.v));
-#endif
-}
+inline void vdot(const WideInt& w, const WideInt& x, WideInt& acc) { dot_pairs(acc.v, w.v, x.v); }
 inline int64_t isum(const WideInt& a) {
   const __m512i lo = _mm512_cvtepi32_epi64(_mm512_castsi512_si256(a.v));
   const __m512i hi = _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(a.v, 1));
@@ -449,13 +455,6 @@ struct Int4Ymm {  // 16 packed bytes -> 16 words: 32 weights a step
   static I high(I w) { return _mm256_srli_epi16(w, 4); }
   static I izero() { return _mm256_setzero_si256(); }
   static F fzero() { return _mm256_setzero_ps(); }
-  static void dot(I& acc, I w, I x) {
-#if defined(__AVX512VNNI__)
-    asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x));  // asm: see NarrowInt's vdot
-#else
-    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(w, x));
-#endif
-  }
   static F fold(F acc, I sums, float s) {
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(s), acc);
   }
@@ -473,13 +472,6 @@ struct Int4Zmm {  // 32 packed bytes -> 32 words: 64 weights a step
   static I high(I w) { return _mm512_srli_epi16(w, 4); }
   static I izero() { return _mm512_setzero_si512(); }
   static F fzero() { return _mm512_setzero_ps(); }
-  static void dot(I& acc, I w, I x) {
-#if defined(__AVX512VNNI__)
-    asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x));
-#else
-    acc = _mm512_add_epi32(acc, _mm512_madd_epi16(w, x));
-#endif
-  }
   static F fold(F acc, I sums, float s) {
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(s), acc);
   }
@@ -524,8 +516,8 @@ inline void int4_dot_rows(const int16_t* xp, int64_t K, const uint8_t* w, int64_
         const I even = L::low(words), odd = L::high(words);
         #pragma GCC unroll 4
         for (int m = 0; m < MB; ++m) {
-          L::dot(part[r][m], even, L::load(xp + m * K + k));
-          L::dot(part[r][m], odd, L::load(xp + m * K + k + half));
+          dot_pairs(part[r][m], even, L::load(xp + m * K + k));
+          dot_pairs(part[r][m], odd, L::load(xp + m * K + k + half));
         }
       }
     }
