@@ -37,7 +37,7 @@ from pipeline.util.openmp import default_wait_policy  # noqa: E402
 default_wait_policy(os.environ)  # before torch loads
 import torch  # noqa: E402
 
-LIBRARY_ENV = "BENCH_KERNELS_LIBRARY"  # set by `ab` in a subprocess that loads a prebuilt library
+LIBRARY_ENV = "BENCH_KERNELS_LIBRARY"  # a prebuilt library to load: set by `ab`, or by hand for `breakdown`
 
 
 def _min_ms(fn: Any, repeats: int, clock: Any = time.perf_counter) -> float:
@@ -114,12 +114,24 @@ class _Timed:
         return getattr(self.inner, name)
 
 
+def _use_library_from_env() -> None:
+    """Load the kernel library named by BENCH_KERNELS_LIBRARY, if set, instead of building this checkout's."""
+    library = os.environ.get(LIBRARY_ENV)
+    if library:
+        from pipeline.runtime.kernels import ops
+
+        torch.ops.load_library(library)
+        loaded = ({n: getattr(torch.ops.llmpipe_quant, n).default for n in ops._OP_NAMES}, "")
+        ops._load = lambda: loaded  # type: ignore[assignment]
+
+
 def breakdown(engine_dir: Path, threads: int, concurrency: int, new_tokens: int, prompt_len: int) -> dict:
     from pipeline.bench.decode import random_prompts
     from pipeline.runtime.core.sampling_params import SamplingParams
     from pipeline.runtime.core.scheduler import SchedulerConfig
     from pipeline.runtime.engine.llm_engine import LLMEngine
 
+    _use_library_from_env()
     runner = _runner(engine_dir, threads)
     build = runner.config.build
     engine = LLMEngine(
@@ -188,13 +200,7 @@ def plan_ms(engine_dir: Path, threads: int, rows: list[int], repeats: int, hot: 
     """Fastest ms of the fused decoder kernel over all layers (random activations, attention skipped) and of
     the greedy lm_head per row count; the weights come from the engine, read from DRAM as in a decode step
     (`hot`: layer 0's for every layer, read from cache)."""
-    library = os.environ.get(LIBRARY_ENV)
-    if library:
-        from pipeline.runtime.kernels import ops
-
-        torch.ops.load_library(library)
-        loaded = ({n: getattr(torch.ops.llmpipe_quant, n).default for n in ops._OP_NAMES}, "")
-        ops._load = lambda: loaded  # type: ignore[assignment]  # instead of building this checkout's
+    _use_library_from_env()
     runner = _runner(engine_dir, threads)
     model = runner.model
     fused = model.fused

@@ -125,7 +125,10 @@ def test_10x_overload_rejects_fast_and_serves_the_admitted_correctly(
     admitted = [(r, want) for r, want in zip(results, expected, strict=True) if r[0] == "ok"]
     rejected = [r for r in results if r[0] == "rejected"]
     assert len(admitted) + len(rejected) == OVERLOAD
-    assert len(admitted) >= CAPACITY and rejected, (len(admitted), len(rejected))
+    # Triton hands the first arrival to the model alone and queues the next MAX_QUEUE; on a loaded machine every
+    # other client may arrive (and be turned away) before that first call returns, so 1 + MAX_QUEUE is all that
+    # admission guarantees. Up to CAPACITY get in when the model takes the queued pair before the rest arrive.
+    assert len(admitted) >= 1 + MAX_QUEUE and rejected, (len(admitted), len(rejected))
     wrong = [(got[1], want) for got, want in admitted if got[1] != want]
     assert wrong == []
     assert all(re.search(QUEUE_FULL, message) for _, message, _ in rejected), rejected[:3]

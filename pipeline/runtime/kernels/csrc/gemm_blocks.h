@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include <atomic>
+#include <type_traits>
 
 namespace llmp {
 
@@ -93,6 +94,35 @@ inline void vdot(const Wide& w, const Wide& x, Wide& acc) { acc.v = _mm512_fmadd
 inline float vsum(const Wide& a) {
   return hsum(_mm256_add_ps(_mm512_castps512_ps256(a.v), _mm512_extractf32x8_ps(a.v, 1)));
 }
+
+// Horizontal sums of 16 zmm accumulators at once, lane i of the result holding a[i]'s: each addition pairs the
+// lanes vsum pairs (i and i+8, then i+4, i+2, i+1), so every sum has vsum's bits; 46 vector ops where 16 vsums
+// take 128. A tile of 4 x 6 accumulators over K = 576 bf16 weights does 18 dpbf16 per output, so summing them
+// one by one was a third of its work. kInt: the lanes are int32 (WideInt), else fp32.
+template <bool kInt>
+inline __m512 lane_sums16(const __m512 a[16]) {
+  const auto add = [](__m512 x, __m512 y) {
+    if constexpr (kInt)
+      return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(x), _mm512_castps_si512(y)));
+    else
+      return _mm512_add_ps(x, y);
+  };
+  __m512 b[8], c[4], d[2];
+  #pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i)  // 256-bit half h: accumulator 2i + h, after its lanes i + (i+8)
+    b[i] = add(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  #pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i)  // 128-bit lane q: accumulator 4i + q, after i + (i+4)
+    c[i] = add(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88), _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  #pragma GCC unroll 2
+  for (int i = 0; i < 2; ++i)  // lane q: elements 0-1 accumulator 8i + q, 2-3 accumulator 8i + 4 + q
+    d[i] = add(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+               _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // lane q, element j: accumulator 4j + q
+  const __m512 e = add(_mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), e);
+}
 #endif
 
 // The register tile every format shares: over the k-steps of `step` elements in [k0, k1), MB activation vectors
@@ -135,15 +165,10 @@ inline void dense_block(const float* x, int64_t ldx, const T* w, int64_t ldw, in
   V acc[NB][MB];
   zero_tile<V, NB, MB>(acc);
   tile_steps<V, NB, MB>(x, ldx, w, ldw, 0, K, kStep, next, acc);
-  const int64_t vec_end = K / kStep * kStep;
-  #pragma GCC unroll 16
-  for (int r = 0; r < NB; ++r)
-    #pragma GCC unroll 16
-    for (int m = 0; m < MB; ++m) {
-      float s = vsum(acc[r][m]);
-      for (int64_t t = vec_end; t < K; ++t) s += to_f32(w[r * ldw + t]) * x[m * ldx + t];
-      out[r][m] = s;
-    }
+  tile_sums<NB, MB>(acc, out);
+  for (int64_t t = K / kStep * kStep; t < K; ++t)
+    for (int r = 0; r < NB; ++r)
+      for (int m = 0; m < MB; ++m) out[r][m] += to_f32(w[r * ldw + t]) * x[m * ldx + t];
 }
 
 // bf16 weights take bf16 activations: each call rounds its activation rows once (to nearest even, like
@@ -234,15 +259,10 @@ inline void bf16_block(const bf16* x, const bf16* w, int64_t K, const void* next
   V acc[NB][MB];
   zero_tile<V, NB, MB>(acc);
   tile_steps<typename Bf16Form<V>::type, NB, MB>(x, K, w, K, 0, K, step, next, acc);
-  const int64_t vec_end = K / step * step;
-  #pragma GCC unroll 16
-  for (int r = 0; r < NB; ++r)
-    #pragma GCC unroll 16
-    for (int m = 0; m < MB; ++m) {
-      float s = vsum(acc[r][m]);
-      for (int64_t t = vec_end; t < K; ++t) s += to_f32(w[r * K + t]) * to_f32(x[m * K + t]);
-      out[r][m] = s;
-    }
+  tile_sums<NB, MB>(acc, out);
+  for (int64_t t = K / step * step; t < K; ++t)
+    for (int r = 0; r < NB; ++r)
+      for (int m = 0; m < MB; ++m) out[r][m] += to_f32(w[r * K + t]) * to_f32(x[m * K + t]);
 }
 #else
 using Bf16Activation = float;
@@ -264,10 +284,10 @@ inline void round_rows_bf16(const float* x, int64_t M, int64_t K, int64_t ldx, f
 // and the products accumulate exactly in int32 lanes. With AVX512_VNNI one dpwssd does 32 multiply-adds
 // where the fp32 path converted 16 weights in two ops and then did 16 FMAs; without it, madd + add do the
 // same in two. Integer sums make a row's dot the same bits in every vector form, tile and ISA.
-// NOTE: 15 bits + sign leave each product below 2^21, so an int32 lane holds 2^9 k-steps of its pairs; dots
-// longer than that (kActSpan) are summed span by span into int64.
+// NOTE: 15 bits + sign leave each product at most 2,097,024 in magnitude, so any 1024 of them sum below 2^31:
+// a span of kActSpan k is summed in int32, in lanes and then across them, and the spans into int64.
 constexpr float kActQMax = 16383.0f;
-constexpr int64_t kActSpan = 512 * 2 * kStep;
+constexpr int64_t kActSpan = 1024;
 
 inline float act_scale(float amax) { return amax > 0.0f ? amax / kActQMax : 1.0f; }
 
@@ -348,13 +368,13 @@ inline void vdot(const NarrowInt& w, const NarrowInt& x, NarrowInt& acc) {
   #pragma GCC unroll 16
   for (int i = 0; i < kStep / 8; ++i) dot_pairs(acc.h[i], w.h[i], x.h[i]);
 }
-inline int64_t isum(const NarrowInt& a) {
-  __m256i s = _mm256_setzero_si256();
-  for (const auto& h : a.h)
-    s = _mm256_add_epi64(s, _mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_castsi256_si128(h)),
-                                             _mm256_cvtepi32_epi64(_mm256_extracti128_si256(h, 1))));
-  const __m128i t = _mm_add_epi64(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-  return _mm_cvtsi128_si64(t) + _mm_extract_epi64(t, 1);
+inline int32_t vsum(const NarrowInt& a) {
+  __m256i s = a.h[0];
+  #pragma GCC unroll 16
+  for (int i = 1; i < kStep / 8; ++i) s = _mm256_add_epi32(s, a.h[i]);
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(2, 3, 0, 1))));
 }
 
 #if defined(__AVX512F__)
@@ -371,12 +391,37 @@ inline void vload(WideInt& a, const int8_t* p) {
   a.v = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 inline void vdot(const WideInt& w, const WideInt& x, WideInt& acc) { dot_pairs(acc.v, w.v, x.v); }
-inline int64_t isum(const WideInt& a) {
-  const __m512i lo = _mm512_cvtepi32_epi64(_mm512_castsi512_si256(a.v));
-  const __m512i hi = _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(a.v, 1));
-  return _mm512_reduce_add_epi64(_mm512_add_epi64(lo, hi));
-}
+inline int32_t vsum(const WideInt& a) { return _mm512_reduce_add_epi32(a.v); }
 #endif
+
+// out[r][m] = vsum(acc[r][m]): Wide tiles sum 16 accumulators at a time (a few left over go one by one).
+template <int NB, int MB, typename V, typename T>
+inline void tile_sums(const V acc[NB][MB], T out[NB][MB]) {
+  constexpr int n = NB * MB;
+  int i = 0;
+#if defined(__AVX512F__)
+  constexpr bool kInt = std::is_same_v<V, WideInt>;
+  if constexpr (kInt || std::is_same_v<V, Wide>) {
+    #pragma GCC unroll 4
+    for (; n - i > 4; i += 16) {
+      __m512 a[16];
+      #pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j) {
+        if constexpr (kInt)
+          a[j] = i + j < n ? _mm512_castsi512_ps(acc[(i + j) / MB][(i + j) % MB].v) : _mm512_setzero_ps();
+        else
+          a[j] = i + j < n ? acc[(i + j) / MB][(i + j) % MB].v : _mm512_setzero_ps();
+      }
+      alignas(64) T sums[16];
+      _mm512_store_ps(reinterpret_cast<float*>(sums), lane_sums16<kInt>(a));
+      #pragma GCC unroll 16
+      for (int j = 0; j < 16 && i + j < n; ++j) out[(i + j) / MB][(i + j) % MB] = sums[j];
+    }
+  }
+#endif
+  #pragma GCC unroll 16
+  for (; i < n; ++i) out[i / MB][i % MB] = vsum(acc[i / MB][i % MB]);
+}
 
 // Exact integer dots of NB int8 weight rows (row stride K) with MB int16 activation rows (row stride K).
 template <typename V, int NB, int MB>
@@ -390,10 +435,10 @@ inline void int8_block(const int16_t* x, const int8_t* w, int64_t K, const void*
     I acc[NB][MB];
     zero_tile<I, NB, MB>(acc);
     tile_steps<I, NB, MB>(x, K, w, K, k0, k0 + kActSpan < vec_end ? k0 + kActSpan : vec_end, step, next, acc);
-    #pragma GCC unroll 16
+    int32_t sums[NB][MB];
+    tile_sums<NB, MB>(acc, sums);
     for (int r = 0; r < NB; ++r)
-      #pragma GCC unroll 16
-      for (int m = 0; m < MB; ++m) out[r][m] += isum(acc[r][m]);
+      for (int m = 0; m < MB; ++m) out[r][m] += sums[r][m];
   }
   for (int r = 0; r < NB; ++r)
     for (int m = 0; m < MB; ++m)
