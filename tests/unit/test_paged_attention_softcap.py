@@ -29,7 +29,7 @@ def cos_sin(head_dim: int) -> torch.Tensor:
 
 def gemma2_attention(q, k, v, scale, softcap, mask):
     """HF Gemma 2's eager attention for one token: q [H, D], k/v [KV, n, D], mask [n] (True = attend)."""
-    k, v = (t.repeat_interleave(HEADS // KV_HEADS, dim=0) for t in (k, v))
+    k, v = (t.repeat_interleave(q.shape[0] // k.shape[0], dim=0) for t in (k, v))
     w = (q[:, None, :] @ k.transpose(1, 2)) * scale
     if softcap:
         w = w / softcap
@@ -45,12 +45,12 @@ def cached(cache: KVCache, part: int, dtype: torch.dtype) -> torch.Tensor:
     return values if cache.scales is None else values * cache.scales[0, part][..., None].to(dtype)
 
 
-def run(head_dim: int, window: int | None, cache_format: str, softcap: float):
+def run(head_dim: int, window: int | None, cache_format: str, softcap: float, kv_heads: int = KV_HEADS):
     """(kernel output, reference in fp32, reference in fp64) for one layer over the mixed batch."""
     config = model_config_from_dict(
         {
             "architecture": "Gemma2ForCausalLM", "dtype": "float32", "vocab_size": 10, "hidden_size": 48,
-            "num_hidden_layers": 1, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
+            "num_hidden_layers": 1, "num_attention_heads": HEADS, "num_key_value_heads": kv_heads,
             "head_dim": head_dim, "intermediate_size": 8, "max_position_embeddings": MAX_POS,
             "norm_epsilon": 1e-6, "hidden_act": "gelu_pytorch_tanh",
         }
@@ -73,7 +73,7 @@ def run(head_dim: int, window: int | None, cache_format: str, softcap: float):
         cache.scales.copy_(torch.rand(cache.scales.shape, generator=gen) / 40)
     meta = build_attention_metadata(chunks, BLOCK, torch.device("cpu"))
     # Large queries: scores of tens, so a small cap saturates tanh and a large one leaves it near-linear.
-    qkv = torch.randn(meta.num_tokens, (HEADS + 2 * KV_HEADS) * head_dim, generator=gen) * 4
+    qkv = torch.randn(meta.num_tokens, (HEADS + 2 * kv_heads) * head_dim, generator=gen) * 4
     scale = head_dim**-0.5
     out = kernels.paged_attention(
         qkv, cache.k[0], cache.v[0], cache.k_scales[0], cache.v_scales[0], cos_sin(head_dim), meta.positions,
@@ -106,6 +106,16 @@ def test_softcapped_attention_matches_gemma2(
     out, ref, exact = run(head_dim, window, cache_format, softcap)
     # The kernel is as close to the exact (fp64) result as torch's fp32 eager attention is: ~1e-6 of the
     # output, from scores of tens rounded to fp32.
+    assert (out.double() - exact).abs().max() <= 2e-6 * exact.abs().max()
+    assert (out - ref).abs().max() <= 4e-6 * ref.abs().max()
+
+
+@pytest.mark.parametrize("cache_format", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("head_dim", [64, 192])
+@pytest.mark.parametrize("kv_heads", [HEADS, 1])
+def test_attention_matches_for_other_group_sizes(kv_heads: int, head_dim: int, cache_format: str) -> None:
+    """One query head per kv head (no grouping) and six (a group larger than the kernel takes at once)."""
+    out, ref, exact = run(head_dim, None, cache_format, 0.0, kv_heads)
     assert (out.double() - exact).abs().max() <= 2e-6 * exact.abs().max()
     assert (out - ref).abs().max() <= 4e-6 * ref.abs().max()
 

@@ -125,6 +125,10 @@ inline __m512 lane_sums16(const __m512 a[16]) {
 }
 #endif
 
+// out[r][m] = vsum(acc[r][m]) for a tile of any form (defined below, after the integer forms).
+template <int NB, int MB, typename V, typename T>
+inline void tile_sums(const V acc[NB][MB], T out[NB][MB]);
+
 // The register tile every format shares: over the k-steps of `step` elements in [k0, k1), MB activation vectors
 // (form O, rows of x with stride ldx) and one weight vector at a time (rows of w with stride ldw), multiplied
 // into acc[NB][MB] by vdot; the weights after the block (`next`) are streamed into cache one step ahead.
@@ -392,9 +396,12 @@ inline void vload(WideInt& a, const int8_t* p) {
 }
 inline void vdot(const WideInt& w, const WideInt& x, WideInt& acc) { dot_pairs(acc.v, w.v, x.v); }
 inline int32_t vsum(const WideInt& a) { return _mm512_reduce_add_epi32(a.v); }
+// A Wide or WideInt accumulator's 512 bits, as lane_sums16 takes them.
+inline __m512 lanes(const Wide& a) { return a.v; }
+inline __m512 lanes(const WideInt& a) { return _mm512_castsi512_ps(a.v); }
 #endif
 
-// out[r][m] = vsum(acc[r][m]): Wide tiles sum 16 accumulators at a time (a few left over go one by one).
+// Wide and WideInt tiles sum 16 accumulators at a time (a few left over go one by one).
 template <int NB, int MB, typename V, typename T>
 inline void tile_sums(const V acc[NB][MB], T out[NB][MB]) {
   constexpr int n = NB * MB;
@@ -406,12 +413,7 @@ inline void tile_sums(const V acc[NB][MB], T out[NB][MB]) {
     for (; n - i > 4; i += 16) {
       __m512 a[16];
       #pragma GCC unroll 16
-      for (int j = 0; j < 16; ++j) {
-        if constexpr (kInt)
-          a[j] = i + j < n ? _mm512_castsi512_ps(acc[(i + j) / MB][(i + j) % MB].v) : _mm512_setzero_ps();
-        else
-          a[j] = i + j < n ? acc[(i + j) / MB][(i + j) % MB].v : _mm512_setzero_ps();
-      }
+      for (int j = 0; j < 16; ++j) a[j] = i + j < n ? lanes(acc[(i + j) / MB][(i + j) % MB]) : _mm512_setzero_ps();
       alignas(64) T sums[16];
       _mm512_store_ps(reinterpret_cast<float*>(sums), lane_sums16<kInt>(a));
       #pragma GCC unroll 16
