@@ -238,7 +238,8 @@ def serve(
     before anything starts. A model that fails to load stops the server with its log lines. A crash while
     serving (tritonserver exits, or a model's Python stub dies, which Triton itself would go on reporting
     ready) kills the server at once, so in-flight requests fail now rather than hang, and restarts it on the
-    same ports, up to --max-restarts times; then serve exits 1 with the crash's log lines.
+    same ports, up to --max-restarts times (a restart whose server fails to start counts, and the next one
+    tries again); then serve exits 1 with the crash's log lines.
 
     Beside Triton, an OpenAI-compatible API (/v1/models, /v1/completions, /v1/chat/completions) answers on
     serving.openai_port (9000) over the repository's tensorrt_llm_bls model, unless --no-openai.
@@ -299,21 +300,30 @@ def serve(
 
 
 def _supervise(server: TritonServer, max_restarts: int) -> None:
-    """Serve until stopped on request; restart the server after a crash, at most `max_restarts` times."""
-    for restart in range(max_restarts + 1):
+    """Serve until stopped on request; restart the server after a crash, at most `max_restarts` times. A
+    restart whose server fails to start counts as one and is tried again while restarts are left."""
+    restarts = 0
+    while True:
         code = server.serve_forever()
         if server.stopped_on_request and server.health_failure is None:
             return
         crash = _crash_report(server, code)
-        if restart == max_restarts:
-            raise ServingError(
-                crash,
-                hint="A stub dies of a crash or of the out-of-memory killer (`dmesg` tells which); "
-                "--max-restarts sets how often serve starts the server again.",
-            )
-        click.echo(f"error: {crash}\nrestarting tritonserver ({restart + 1}/{max_restarts}) ...", err=True)
-        started = time.monotonic()
-        server.restart()
+        while True:
+            if restarts == max_restarts:
+                raise ServingError(
+                    crash,
+                    hint="A stub dies of a crash or of the out-of-memory killer (`dmesg` tells which); "
+                    "--max-restarts sets how often serve starts the server again.",
+                )
+            restarts += 1
+            click.echo(f"error: {crash}\nrestarting tritonserver ({restarts}/{max_restarts}) ...", err=True)
+            started = time.monotonic()
+            try:
+                server.restart()
+            except ServingError as failed:
+                crash = f"the restarted server did not start: {failed.message}"
+                continue
+            break
         click.echo(f"ready again in {time.monotonic() - started:.1f}s", err=True)
 
 
@@ -326,7 +336,6 @@ def _crash_report(server: TritonServer, code: int | None) -> str:
         )
     lines = "\n  ".join(server.log_lines(since_ready=True)[-20:]) or "(nothing since it became ready)"
     return f"tritonserver exited with code {code} while serving:\n  {lines}"
-    click.echo("tritonserver stopped.", err=True)
 
 
 def _print_plan(server: TritonServer, nvidia: bool) -> None:

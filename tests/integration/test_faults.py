@@ -267,6 +267,27 @@ def test_a_killed_python_stub_without_restarts_makes_serve_exit_nonzero(
 
 
 @pytest.mark.triton
+def test_a_serve_killed_with_sigkill_takes_its_tritonserver_and_stubs_with_it(
+    served_repo: Path, tmp_path: Path
+) -> None:
+    serve = _Serve(served_repo, tmp_path)
+    try:
+        serve.wait_ready()
+        server = serve.server_pid()
+        assert python_stubs(server)
+        serve.proc.send_signal(signal.SIGKILL)
+        serve.wait(timeout_s=30)
+        # the server was told (SIGTERM) when its launcher died, and stops its stubs on the way out
+        deadline = time.monotonic() + 60
+        while Path(f"/proc/{server}").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not Path(f"/proc/{server}").exists() and python_stubs(server) == {}
+    finally:
+        if serve.proc.poll() is None:
+            serve.proc.kill()
+
+
+@pytest.mark.triton
 def test_a_tampered_engine_in_the_served_repository_fails_serve_naming_the_file(
     served_repo: Path, tmp_path: Path
 ) -> None:

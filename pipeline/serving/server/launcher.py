@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
 import dataclasses
 import os
 import re
@@ -51,7 +50,7 @@ _LOG_LINES_KEPT = 400
 # Triton's own error lines ("E1129 12:00:00.1 42 model_lifecycle.cc:654] failed to load ..."), its model
 # status table rows, and Python tracebacks from the stubs.
 _ERROR_LINE = re.compile(r"^E\d{4} |UNAVAILABLE|failed to load|Traceback|Error|Exception")
-# Harmless on CPU machines (TRITON_ON_CPU.md): never the reason a start failed.
+# Harmless on machines without a GPU: never the reason a start failed.
 _NOISE = re.compile(r"CudaDriverHelper has not been initialized|unable to create stream|CUDA driver version")
 
 
@@ -78,10 +77,23 @@ def failure_lines(lines: list[str], limit: int = 40) -> list[str]:
     return (picked or lines)[-limit:]
 
 
-def _die_with_parent() -> None:
-    # Linux: the server gets SIGTERM if the launching process dies without stopping it (a killed test run).
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+# The server gets SIGTERM if the launching process dies without stopping it (a killed test run): a
+# trampoline sets PR_SET_PDEATHSIG and execs the server. Not a preexec_fn: that makes subprocess fork() a
+# process whose other threads (gRPC's pollers, log pumps) may hold locks, and runs gRPC's fork handlers in
+# the child; without one, subprocess uses vfork and the child does nothing but exec.
+_EXEC_DYING_WITH_PARENT = """
+import ctypes, os, signal, sys
+ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+if os.getppid() != int(sys.argv[1]):
+    sys.exit(1)  # the launcher died before prctl: nobody would stop the server
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
+
+
+def _dying_with_parent(command: list[str]) -> list[str]:
+    if not sys.platform.startswith("linux"):
+        return command
+    return [sys.executable, "-I", "-S", "-c", _EXEC_DYING_WITH_PARENT, str(os.getpid()), *command]
 
 
 class TritonServer:
@@ -97,8 +109,7 @@ class TritonServer:
         self.install = install
         self.ready_timeout_s = ready_timeout_s
         self.echo_log = echo_log
-        # Unique per server so concurrent servers never share (or delete) each other's regions.
-        self.shm_prefix = f"llmpipe{os.getpid()}_{uuid.uuid4().hex[:8]}_"
+        self.shm_prefix = self._new_shm_prefix()
         self.process: subprocess.Popen[bytes] | None = None
         self.run_dir: Path | None = None
         self._lines: collections.deque[str] = collections.deque(maxlen=_LOG_LINES_KEPT)
@@ -169,13 +180,12 @@ class TritonServer:
         backend_dir = prepare_backend_dir(install, self.run_dir)
         command = server_command(install.binary, self.options, backend_dir, self.shm_prefix)
         self.process = subprocess.Popen(
-            command,
+            _dying_with_parent(command),
             env=server_env(install, trtllm=self.options.trtllm),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
         )
         self._pump = threading.Thread(target=self._pump_log, name="tritonserver-log", daemon=True)
         self._pump.start()
@@ -299,12 +309,19 @@ class TritonServer:
 
     def restart(self) -> None:
         """Start a fresh server on the same ports and repository, after this one died or was stopped
-        unhealthy (what is left of it is reaped and cleaned first)."""
+        unhealthy (what is left of it is reaped and cleaned first). Its shared memory regions get new
+        names: a region of the dead server that a stub still maps is never the new server's."""
         self.stop()
+        self.shm_prefix = self._new_shm_prefix()
         self._stop_requested = False
         self.health_failure = None
         self.health_failure_log = []
         self.start()
+
+    @staticmethod
+    def _new_shm_prefix() -> str:
+        # Unique per server so concurrent servers never share (or delete) each other's regions.
+        return f"llmpipe{os.getpid()}_{uuid.uuid4().hex[:8]}_"
 
     def leftover_shm(self) -> list[Path]:
         return sorted(SHM_DIR.glob(f"{self.shm_prefix}*")) if SHM_DIR.is_dir() else []
