@@ -303,27 +303,28 @@ def _supervise(server: TritonServer, max_restarts: int) -> None:
     """Serve until stopped on request; restart the server after a crash, at most `max_restarts` times. A
     restart whose server fails to start counts as one and is tried again while restarts are left."""
     restarts = 0
+    crash: str | None = None  # why the server must be started again; None while it serves
     while True:
-        code = server.serve_forever()
-        if server.stopped_on_request and server.health_failure is None:
-            return
-        crash = _crash_report(server, code)
-        while True:
-            if restarts == max_restarts:
-                raise ServingError(
-                    crash,
-                    hint="A stub dies of a crash or of the out-of-memory killer (`dmesg` tells which); "
-                    "--max-restarts sets how often serve starts the server again.",
-                )
-            restarts += 1
-            click.echo(f"error: {crash}\nrestarting tritonserver ({restarts}/{max_restarts}) ...", err=True)
-            started = time.monotonic()
-            try:
-                server.restart()
-            except ServingError as failed:
-                crash = f"the restarted server did not start: {failed.message}"
-                continue
-            break
+        if crash is None:
+            code = server.serve_forever()
+            if server.stopped_on_request and server.health_failure is None:
+                return
+            crash = _crash_report(server, code)
+        if restarts == max_restarts:
+            raise ServingError(
+                crash,
+                hint="A stub dies of a crash or of the out-of-memory killer (`dmesg` tells which); "
+                "--max-restarts sets how often serve starts the server again.",
+            )
+        restarts += 1
+        click.echo(f"error: {crash}\nrestarting tritonserver ({restarts}/{max_restarts}) ...", err=True)
+        started = time.monotonic()
+        try:
+            server.restart()
+        except ServingError as failed:
+            crash = f"the restarted server did not start: {failed.message}"
+            continue
+        crash = None
         click.echo(f"ready again in {time.monotonic() - started:.1f}s", err=True)
 
 
