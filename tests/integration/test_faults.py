@@ -361,7 +361,12 @@ def test_a_dead_stub_fails_in_flight_requests_at_once_and_serve_restarts_the_ser
         assert max(delay for delay, _ in cut.values()) < 3.0, cut
         serve.wait_ready(timeout_s=240, banner=r"^ready again in ")
         out = serve.output
-        assert f"stub of model 'tensorrt_llm' (pid {engine_stub}) died while serving" in out, out
+        # The watchdog finds the dead stub first, or tritonserver aborts on its own (its Python backend
+        # throws on the shared-memory lock the killed stub held): either is a crash that serve reports.
+        assert (
+            f"stub of model 'tensorrt_llm' (pid {engine_stub}) died while serving" in out
+            or "tritonserver exited with code -6 while serving" in out
+        ), out
         assert "restarting tritonserver (1/3)" in out, out
         # the same ports serve again, through Triton and the OpenAI-compatible API
         with GrpcClient(grpc_url) as client:
