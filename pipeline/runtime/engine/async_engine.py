@@ -17,6 +17,7 @@ from pipeline.runtime.core.metrics import MetricsSnapshot
 from pipeline.runtime.core.outputs import RequestOutput
 from pipeline.runtime.core.sampling_params import SamplingParams
 from pipeline.runtime.engine.llm_engine import LLMEngine
+from pipeline.util.openmp import release_thread_workers
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,9 @@ class EngineThread:
         # Only the engine thread touches the engine; it publishes a snapshot after every step and admission
         # round, so stats() (the Triton responder calls it between sends) never waits for a step to end.
         self._stats = engine.stats()
+        # The engine was loaded on this thread (by every caller that makes one); left alive, this thread's OpenMP
+        # workers would make the engine thread's team sleep at every barrier (see pipeline/util/openmp.py).
+        release_thread_workers()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
