@@ -45,7 +45,7 @@ from benchmarks.harness import targets  # noqa: E402
 from pipeline.bench import machine, report, suite, sweep  # noqa: E402
 from pipeline.bench.builds import Build, ensure_built  # noqa: E402
 from pipeline.bench.clients.inprocess import InProcessTarget  # noqa: E402
-from pipeline.bench.comparisons import measurements  # noqa: E402
+from pipeline.bench.comparisons import LOG_PROBS_WORKLOAD, measurements  # noqa: E402
 from pipeline.bench.isolation import run_jobs  # noqa: E402
 from pipeline.bench.load import RunResult, Target, run_closed_loop  # noqa: E402
 from pipeline.bench.metrics import percentile, ttft  # noqa: E402
@@ -147,6 +147,17 @@ def _measure_ours(
     return [_closed(target, single, 1, extra, progress), _closed(target, batch, BATCH, extra, progress)]
 
 
+def _log_probs_run(
+    engine: InProcessTarget, precision: str, batch: list[BenchRequest], progress: bool
+) -> RunResult:
+    """16 in flight in-process, each token's log-prob asked for as the served ensemble's requests do."""
+    target = InProcessTarget(
+        engine.engine_thread, name=f"{engine.name}-{LOG_PROBS_WORKLOAD}", end_id=engine.end_id, log_probs=True
+    )
+    extra = {"engine": "llmpipe", "precision": precision, "path": "inprocess", "workload": LOG_PROBS_WORKLOAD}
+    return _closed(target, batch, BATCH, extra, progress)
+
+
 def _ttft_runs(
     target: Target, requests: list[BenchRequest], progress: bool
 ) -> tuple[list[RunResult], dict[str, float]]:
@@ -223,6 +234,8 @@ def run_ours(
             results += _measure_ours(
                 engine, "inprocess", precision, wl["single"], wl["batch"], wl["warmup"], not args.no_progress
             )
+            if not args.no_serve:  # the served rows' equal: their requests ask for log-probs
+                results.append(_log_probs_run(engine, precision, wl["batch"], not args.no_progress))
             if precision == "fp32":
                 ttft, keys = _ttft_runs(engine, wl["prompt256"], not args.no_progress)
                 results += ttft

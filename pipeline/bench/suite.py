@@ -11,7 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.bench import report
-from pipeline.bench.comparisons import PEER_COMPARISONS, SPECULATION_COMPARISONS, compare, measurements
+from pipeline.bench.comparisons import (
+    LOG_PROBS_WORKLOAD,
+    PEER_COMPARISONS,
+    SPECULATION_COMPARISONS,
+    compare,
+    measurements,
+)
 from pipeline.bench.load import RunResult, Target, run_closed_loop, run_open_loop
 from pipeline.bench.peers import Peer, source_identity
 from pipeline.bench.requests import BenchRequest
@@ -235,6 +241,7 @@ class OursSpec:
     # config's speculative settings; empty = the config's own mode only
     speculation: tuple[str, ...] = ()
     workload: str | None = None  # the workload's name, for the measurement keys of a speculation sweep
+    log_probs: bool = False  # in-process: ask for each token's log-prob, as the ensemble's requests do
 
 
 def speculation_args(cfg: Any, mode: str) -> SpeculationArgs:
@@ -289,6 +296,9 @@ def run_llmpipe(
     if spec.in_process:
         from pipeline.bench.clients.inprocess import InProcessTarget
 
+        if spec.log_probs:
+            extra["workload"] = LOG_PROBS_WORKLOAD
+            label += f"-{LOG_PROBS_WORKLOAD}"
         results = []
         for mode in spec.speculation or (spec.cfg.speculative.mode,):
             run_extra = (
@@ -300,6 +310,7 @@ def run_llmpipe(
                 name=f"{label}-{mode}" if spec.speculation else label,
                 end_id=spec.end_id,
                 min_tokens_equal_max=spec.min_tokens_equal_max,
+                log_probs=spec.log_probs,
             )
             try:
                 results += run_target(engine, requests, warmup, plan, run_extra)

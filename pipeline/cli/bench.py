@@ -25,7 +25,16 @@ _OPENAI_URL = re.compile(r"/v1/?$")
 @click.option(
     "--in-process",
     is_flag=True,
-    help="Drive the CONFIG's engine directly (no server): isolates serving overhead.",
+    help="Drive the CONFIG's engine directly (no server): isolates serving overhead (add --log-probs to "
+    "compare with the default --model ensemble, whose requests ask for them).",
+)
+@click.option(
+    "--log-probs",
+    is_flag=True,
+    help="With --in-process: ask for each token's log-probability, as requests to the ensemble do (its "
+    "streamed text responses are counted by them). A log-probability needs the whole vocabulary's logits, "
+    "a greedy token alone does not: without this flag an in-process run does less work per token than "
+    "a served one.",
 )
 @click.option(
     "--protocol",
@@ -156,6 +165,7 @@ _OPENAI_URL = re.compile(r"/v1/?$")
 def bench(
     target: str,
     in_process: bool,
+    log_probs: bool,
     protocol: str,
     model_name: str,
     concurrency: str,
@@ -197,6 +207,8 @@ def bench(
     Examples:
       llmpipe bench build_configs/smollm2-135m.yaml --in-process --concurrency 1,4,16 --requests 32
       llmpipe bench build_configs/smollm2-135m.yaml --concurrency 16 --dataset builtin --output-mean 128
+      llmpipe bench build_configs/smollm2-135m.yaml --in-process --log-probs --concurrency 16 --dataset builtin \\
+          --output-mean 128
       llmpipe bench localhost:8001 --hf-model build/smollm2-135m/hf --rate 0.5,1,2 --requests 40
       llmpipe bench http://127.0.0.1:8000 --hf-model build/smollm2-135m/hf --concurrency 4
       llmpipe bench http://127.0.0.1:9000/v1 --hf-model build/smollm2-135m/hf --no-min-tokens-equal-max
@@ -227,7 +239,13 @@ def bench(
         raise click.UsageError("--protocol openai measures a running server: drop --in-process")
     if protocol == "openai" and model_name != "ensemble":
         raise click.UsageError("the OpenAI API takes text: --model tensorrt_llm does not apply to it")
+    if log_probs and not in_process:
+        raise click.UsageError(
+            "--log-probs is for --in-process runs (served ensemble requests always ask for log-probs)"
+        )
     modes = tuple(m.strip() for m in (speculation or "").split(",") if m.strip())
+    if log_probs and modes:
+        raise click.UsageError("--log-probs and --speculation: run them separately")
     if modes and not in_process:
         raise click.UsageError(
             "--speculation needs --in-process: a served engine speculates as its model repository was "
@@ -266,6 +284,7 @@ def bench(
         end_id=tokenizer.eos_token_id,
         speculation=modes,
         workload=_workload_name(dataset),
+        log_probs=log_probs,
     )
     results = suite.run_llmpipe(ours, requests, warmup, plan)
     if peers:
@@ -280,6 +299,7 @@ def bench(
     meta = {
         "target": target,
         "in_process": in_process,
+        "log_probs": log_probs,
         "protocol": protocol,
         "model": model_name,
         "workload": dataset or "synthetic",

@@ -48,6 +48,8 @@ def test_user_mistakes_are_one_line_errors(
     [
         (["localhost:8001", "--in-process"], "--in-process needs a CONFIG"),
         ([TINY_CONFIG, "--compare", "hf", "--rate", "1"], "peers are measured closed-loop"),
+        ([TINY_CONFIG, "--log-probs"], "--log-probs is for --in-process runs"),
+        ([TINY_CONFIG, "--in-process", "--log-probs", "--speculation", "ngram"], "run them separately"),
     ],
 )
 def test_conflicting_flags_are_usage_errors(
@@ -72,7 +74,9 @@ def test_unreachable_endpoint_is_a_serving_error(
     assert code == 1 and "cannot reach Triton at http://127.0.0.1:9" in err
 
 
+@pytest.mark.parametrize("log_probs", [False, True])
 def test_in_process_run_writes_table_and_results(
+    log_probs: bool,
     tiny_llama_dir: Path,
     capsys: pytest.CaptureFixture[str],
     in_tmp_workdir: Path,
@@ -108,6 +112,7 @@ def test_in_process_run_writes_table_and_results(
             str(out_dir),
             "--no-plots",
             "--no-progress",
+            *(["--log-probs"] if log_probs else []),
         ],
         capsys,
     )
@@ -118,5 +123,7 @@ def test_in_process_run_writes_table_and_results(
     assert [run["concurrency"] for run in data["runs"]] == [1, 2]
     assert all(run["ok"] == 4 and run["err"] == 0 for run in data["runs"])
     assert all(req["output_tokens"] == 5 for run in data["runs"] for req in run["requests"])
-    assert "llmpipe.fp32.inprocess.c2_tok_s" in data["measurements"]
+    # with log-probs, tokens are counted by them: forced lengths come out whole only if every token had one
+    key = "llmpipe.fp32.inprocess.logprobs.c2_tok_s" if log_probs else "llmpipe.fp32.inprocess.c2_tok_s"
+    assert key in data["measurements"] and data["meta"]["log_probs"] is log_probs
     assert (out_dir / "results.csv").read_text().count("\n") == 3

@@ -165,6 +165,25 @@ def test_inprocess_target_streams_engine_thread_outputs_at_forced_length() -> No
     assert sorted(r.num_output_tokens for r in result.records) == [3, 4, 5, 6, 7, 8]
 
 
+def test_inprocess_target_with_log_probs_counts_tokens_by_them() -> None:
+    from pipeline.bench.clients.inprocess import InProcessTarget
+    from pipeline.runtime.engine.async_engine import EngineThread
+    from tests.helpers import make_engine
+
+    engine, _runner = make_engine(num_blocks=64, block_size=4)
+    target = InProcessTarget(EngineThread(engine), end_id=0, log_probs=True)
+    try:
+        requests = [
+            BenchRequest(index=i, output_tokens=4 + i, input_ids=tuple(range(1, 6))) for i in range(3)
+        ]
+        result = run_closed_loop(target, requests, concurrency=3)
+    finally:
+        target.close()
+    m = result.metrics()
+    assert m.num_errors == 0 and m.num_short_outputs == 0
+    assert sorted(r.num_output_tokens for r in result.records) == [4, 5, 6]
+
+
 def test_inprocess_target_reports_engine_rejections_as_errors() -> None:
     from pipeline.bench.clients.inprocess import InProcessTarget
     from pipeline.runtime.engine.async_engine import EngineThread

@@ -1,5 +1,10 @@
 """The in-process target: requests go straight to an EngineThread, no server, so comparing it with the
-Triton target isolates serving overhead."""
+Triton target isolates serving overhead.
+
+The Triton target's ensemble requests ask for each token's log-probability (its streamed text responses
+count their tokens by them), and a log-probability needs the whole vocabulary's logits where a greedy
+token alone does not (the engine's screening lm_head). `log_probs` asks the same of the engine here, so a
+served run and an in-process run do the same work."""
 
 from __future__ import annotations
 
@@ -21,8 +26,10 @@ class InProcessTarget:
         name: str = "llmpipe-inprocess",
         min_tokens_equal_max: bool = True,
         end_id: int | None = None,
+        log_probs: bool = False,
     ) -> None:
         self.engine_thread = engine_thread
+        self.log_probs = log_probs
         self.name = name
         self.min_tokens_equal_max = min_tokens_equal_max
         self.end_id = end_id
@@ -55,6 +62,7 @@ class InProcessTarget:
             min_tokens=request.output_tokens if self.min_tokens_equal_max else 0,
             temperature=0.0,
             end_id=self.end_id,
+            logprobs=self.log_probs,
         )
         stream = self.engine_thread.submit(f"bench-{next(self._ids)}", list(request.input_ids), params)
         for output in stream:
@@ -62,7 +70,8 @@ class InProcessTarget:
                 raise ServingError(
                     f"request ended with {output.finish_reason}: {output.error or 'no detail'}"
                 )
-            yield len(output.new_token_ids)
+            # Counted by their log-probs when asked for, as the ensemble's responses are counted.
+            yield len(output.new_logprobs) if self.log_probs else len(output.new_token_ids)
             if self.speculates and output.stats is not None:
                 yield DraftCounts(output.stats.num_draft_tokens, output.stats.num_accepted_draft_tokens)
 
