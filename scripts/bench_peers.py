@@ -11,7 +11,8 @@ Workloads (greedy, outputs forced to their length):
   - scaling sweep (pipeline/bench/sweep.py, --no-sweep skips it): llmpipe fp32 in-process, with a plot.
 
 Systems: llmpipe per precision (--precisions; in-process, and through Triton when its model repository
-builds and serves), HF transformers (one at a time, padded static batch), llama.cpp f32/bf16/Q8_0/Q4_1
+builds and serves; the served rows are compared with in-process rows that ask for each token's log-prob, as
+the served ensemble's requests do to count their tokens), HF transformers (one at a time, padded static batch), llama.cpp f32/bf16/Q8_0/Q4_1
 (llama-cpp-python; continuous batching through its low-level batch API), CTranslate2 float32/int8 and
 OpenVINO GenAI fp32/bf16/int8/int4 (its ContinuousBatchingPipeline, on its own venv: `make bench-deps`).
 Each peer runs in a process of its own (pipeline/bench/isolation.py): one that crashes, fails to load or
@@ -137,25 +138,34 @@ def _measure_ours(
     target: Target,
     path: str,
     precision: str,
-    single: list[BenchRequest],
-    batch: list[BenchRequest],
-    warmup: list[BenchRequest],
+    wl: dict[str, list[BenchRequest]],
     progress: bool,
+    workload: str | None = None,
 ) -> list[RunResult]:
+    """Warm-up, then one request at a time, then 16 at once: every llmpipe target alike, so each finds the
+    same prompts in its KV block cache."""
     extra = {"engine": "llmpipe", "precision": precision, "path": path}
-    run_closed_loop(target, warmup, len(warmup))
-    return [_closed(target, single, 1, extra, progress), _closed(target, batch, BATCH, extra, progress)]
+    if workload:
+        extra["workload"] = workload
+    run_closed_loop(target, wl["warmup"], len(wl["warmup"]))
+    return [
+        _closed(target, wl["single"], 1, extra, progress),
+        _closed(target, wl["batch"], BATCH, extra, progress),
+    ]
 
 
-def _log_probs_run(
-    engine: InProcessTarget, precision: str, batch: list[BenchRequest], progress: bool
-) -> RunResult:
-    """16 in flight in-process, each token's log-prob asked for as the served ensemble's requests do."""
-    target = InProcessTarget(
-        engine.engine_thread, name=f"{engine.name}-{LOG_PROBS_WORKLOAD}", end_id=engine.end_id, log_probs=True
+def _log_probs_runs(
+    engine_dir: Path, eos_id: int | None, precision: str, wl: dict[str, list[BenchRequest]], progress: bool
+) -> list[RunResult]:
+    """In-process with each token's log-prob asked for, as the served ensemble's requests do: the served
+    rows' equal. A fresh engine, so its block cache holds what the served engine's does."""
+    engine = InProcessTarget.from_engine_dir(
+        engine_dir, end_id=eos_id, name=f"llmpipe-{precision}-{LOG_PROBS_WORKLOAD}", log_probs=True
     )
-    extra = {"engine": "llmpipe", "precision": precision, "path": "inprocess", "workload": LOG_PROBS_WORKLOAD}
-    return _closed(target, batch, BATCH, extra, progress)
+    try:
+        return _measure_ours(engine, "inprocess", precision, wl, progress, LOG_PROBS_WORKLOAD)
+    finally:
+        engine.close()
 
 
 def _ttft_runs(
@@ -231,17 +241,17 @@ def run_ours(
             _problem(problems, f"llmpipe {precision} engine", err)
             continue
         try:
-            results += _measure_ours(
-                engine, "inprocess", precision, wl["single"], wl["batch"], wl["warmup"], not args.no_progress
-            )
-            if not args.no_serve:  # the served rows' equal: their requests ask for log-probs
-                results.append(_log_probs_run(engine, precision, wl["batch"], not args.no_progress))
+            results += _measure_ours(engine, "inprocess", precision, wl, not args.no_progress)
             if precision == "fp32":
                 ttft, keys = _ttft_runs(engine, wl["prompt256"], not args.no_progress)
                 results += ttft
         finally:
             engine.close()
         if not args.no_serve:
+            try:
+                results += _log_probs_runs(build.engine_dir, eos_id, precision, wl, not args.no_progress)
+            except Exception as err:  # noqa: BLE001 - keep the other rows
+                _problem(problems, f"llmpipe {precision} in-process with log-probs", err)
             results += _served(args, precision, config, overrides, wl, problems)
     return results, keys
 
@@ -262,9 +272,7 @@ def _served(
         with _serve(build) as server:
             client = triton_target(f"grpc://{server.grpc_url}", name=f"llmpipe-{precision}-triton")
             try:
-                results += _measure_ours(
-                    client, "triton", precision, wl["single"], wl["batch"], wl["warmup"], not args.no_progress
-                )
+                results += _measure_ours(client, "triton", precision, wl, not args.no_progress)
             finally:
                 client.close()
     except Exception as err:  # noqa: BLE001 - report the serving failure, keep the in-process numbers
