@@ -12,9 +12,10 @@ Workloads (greedy, outputs forced to their length):
 
 Systems: llmpipe per precision (--precisions; in-process, and through Triton when its model repository
 builds and serves; the served rows are compared with in-process rows that ask for each token's log-prob, as
-the served ensemble's requests do to count their tokens), HF transformers (one at a time, padded static batch), llama.cpp f32/bf16/Q8_0/Q4_1
-(llama-cpp-python; continuous batching through its low-level batch API), CTranslate2 float32/int8 and
-OpenVINO GenAI fp32/bf16/int8/int4 (its ContinuousBatchingPipeline, on its own venv: `make bench-deps`).
+the served ensemble's requests do to count their tokens), HF transformers (one at a time, padded static
+batch), llama.cpp f32/bf16/Q8_0/Q4_1 (llama-cpp-python; continuous batching through its low-level batch
+API), CTranslate2 float32/int8 and OpenVINO GenAI fp32/bf16/int8/int4 (its ContinuousBatchingPipeline, on
+its own venv: `make bench-deps`).
 Each peer runs in a process of its own (pipeline/bench/isolation.py): one that crashes, fails to load or
 passes --peer-timeout costs its own rows, and the page says how it ended.
 

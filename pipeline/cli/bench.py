@@ -207,8 +207,8 @@ def bench(
     Examples:
       llmpipe bench build_configs/smollm2-135m.yaml --in-process --concurrency 1,4,16 --requests 32
       llmpipe bench build_configs/smollm2-135m.yaml --concurrency 16 --dataset builtin --output-mean 128
-      llmpipe bench build_configs/smollm2-135m.yaml --in-process --log-probs --concurrency 16 --dataset builtin \\
-          --output-mean 128
+      llmpipe bench build_configs/smollm2-135m.yaml --in-process --log-probs --concurrency 16 \\
+          --dataset builtin --output-mean 128
       llmpipe bench localhost:8001 --hf-model build/smollm2-135m/hf --rate 0.5,1,2 --requests 40
       llmpipe bench http://127.0.0.1:8000 --hf-model build/smollm2-135m/hf --concurrency 4
       llmpipe bench http://127.0.0.1:9000/v1 --hf-model build/smollm2-135m/hf --no-min-tokens-equal-max
