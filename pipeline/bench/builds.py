@@ -31,10 +31,15 @@ class Build:
 
     @property
     def precision(self) -> str:
-        mode = self.cfg.quantization.mode
-        if mode == "none" and self.cfg.dtype == "bfloat16":
-            return "bf16"
-        return PRECISION_OF_MODE.get(mode, mode)
+        return precision_of(self.cfg)
+
+
+def precision_of(cfg: BuildConfig) -> str:
+    """The benchmark's name for a config's weight precision: fp32, bf16 (unquantized bfloat16), int8, int4."""
+    mode = cfg.quantization.mode
+    if mode == "none" and cfg.dtype == "bfloat16":
+        return "bf16"
+    return PRECISION_OF_MODE.get(mode, mode)
 
 
 def ensure_built(config: str | Path, overrides: Sequence[str] = (), until: str = "engine") -> Build:

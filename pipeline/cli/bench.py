@@ -269,7 +269,7 @@ def bench(
         chat_template=chat_template,
     )
     if precision is None and cfg is not None:
-        precision = builds.PRECISION_OF_MODE.get(cfg.quantization.mode)
+        precision = builds.precision_of(cfg)
     endpoint = target if is_url else None
     if protocol == "openai" and cfg is not None:
         endpoint = _openai_endpoint(cfg)

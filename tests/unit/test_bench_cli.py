@@ -127,3 +127,20 @@ def test_in_process_run_writes_table_and_results(
     key = "llmpipe.fp32.inprocess.logprobs.c2_tok_s" if log_probs else "llmpipe.fp32.inprocess.c2_tok_s"
     assert key in data["measurements"] and data["meta"]["log_probs"] is log_probs
     assert (out_dir / "results.csv").read_text().count("\n") == 3
+
+
+@pytest.mark.parametrize(
+    ("config", "precision"),
+    [
+        ("smollm2-135m.yaml", "fp32"),
+        ("smollm2-135m-bf16.yaml", "bf16"),
+        ("smollm2-135m-int8.yaml", "int8"),
+        ("smollm2-135m-int4-awq.yaml", "int4"),
+    ],
+)
+def test_rows_are_named_by_the_configs_precision(config: str, precision: str) -> None:
+    # The row label and the comparisons key on it: an unquantized bfloat16 build is bf16, not fp32.
+    from pipeline.bench.builds import precision_of
+    from pipeline.config.build_config import load_build_config
+
+    assert precision_of(load_build_config(str(REPO_ROOT / "build_configs" / config), [])) == precision

@@ -220,6 +220,25 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(in_f: int) -> None:
         kernels.set_wide_single_row(before)
 
 
+@pytest.mark.skipif(
+    not (kernels.kernels_available() and kernels.tiles_available()), reason="no AMX tiles here"
+)
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 12, 16, 17, 40])
+def test_int8_on_amx_tiles_gives_the_register_tiles_bits(rows: int) -> None:
+    # The tiles split each int16 activation level into a signed high and an unsigned low byte and sum exactly,
+    # so every row count (the tiles take steps of 8+ rows, one B tile of exactly the rows up to 16) gives the
+    # bits of the vector path. 96 x 576: whole 16-row blocks and 64-wide k-steps, as the tiles need.
+    qweight, scales = primitives.quantize_int8_per_channel(random_weight(96, 576))
+    x, bias = torch.randn(rows, 576) * 3, torch.randn(96)
+    before = kernels.set_tiles(False)
+    try:
+        want = kernels.gemm_int8(x, qweight, scales, bias)
+        kernels.set_tiles(True)
+        assert torch.equal(kernels.gemm_int8(x, qweight, scales, bias), want)
+    finally:
+        kernels.set_tiles(before)
+
+
 @needs_kernels
 @pytest.mark.parametrize(("group_size", "in_f"), INT4_CASES)
 def test_an_int4_rows_result_does_not_depend_on_the_few_rows_beside_it(group_size: int, in_f: int) -> None:

@@ -39,14 +39,18 @@ KERNEL_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-std=c++20")
 # AVX512_BF16 adds the bf16 dot product that bfloat16 engines' GEMMs use (twice the fp32 FMA's work per op), and
 # every CPU with it (Cooper Lake, Sapphire Rapids, Zen 4 on) has AVX512_VNNI, whose int16 dot the int8 GEMMs use.
 _AVX512 = ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
+# AMX (Sapphire Rapids on) adds tile multiply-adds of bf16 and int8 blocks, which steps of several rows use for
+# bf16 and int8 weights (amx_tiles.h).
 ISA_FLAGS = {
     "avx2": ("-mavx2", "-mfma"),
     "avx512": _AVX512,
     "avx512_bf16": (*_AVX512, "-mavx512bf16", "-mavx512vnni"),
+    "amx": (*_AVX512, "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16", "-mamx-int8"),
 }
 AVX512_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
 BF16_CPU_FLAG = "avx512_bf16"
 VNNI_CPU_FLAG = "avx512_vnni"
+AMX_CPU_FLAGS = frozenset({"amx_tile", "amx_bf16", "amx_int8"})
 # A lower ISA than the CPU's on request (tests, comparisons), e.g. "avx2" on an AVX-512 CPU.
 ISA_ENV = "LLMPIPE_KERNEL_ISA"
 COMPILE_TIMEOUT_S = 600
@@ -166,8 +170,9 @@ def cpu_flags() -> frozenset[str]:
 
 
 def kernel_isa() -> str:
-    """The kernels' instruction set: avx512_bf16 where this CPU has AVX-512 F/BW/VL/DQ, AVX512_BF16 and
-    AVX512_VNNI, avx512 with the first four, else avx2. LLMPIPE_KERNEL_ISA names a lower one to use instead."""
+    """The kernels' instruction set: amx where this CPU has AVX-512 F/BW/VL/DQ, AVX512_BF16, AVX512_VNNI and AMX
+    (tiles, bf16 and int8), avx512_bf16 without AMX, avx512 with the first four, else avx2. LLMPIPE_KERNEL_ISA
+    names a lower one to use instead."""
     forced = os.environ.get(ISA_ENV, "").strip().lower()
     if forced not in ("", *ISA_FLAGS):
         raise ValueError(f"{ISA_ENV}={forced!r}: expected one of {', '.join(ISA_FLAGS)}")
@@ -176,6 +181,8 @@ def kernel_isa() -> str:
         best = "avx2"
     else:
         best = "avx512_bf16" if {BF16_CPU_FLAG, VNNI_CPU_FLAG} <= cpu_flags() else "avx512"
+        if best == "avx512_bf16" and cpu_flags() >= AMX_CPU_FLAGS:
+            best = "amx"
     if forced and levels.index(forced) < levels.index(best):
         return forced
     return best

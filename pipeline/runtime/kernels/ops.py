@@ -31,6 +31,8 @@ _OP_NAMES = (
     "paged_attention",
     "add_rms_norm",
     "set_wide_single_row",
+    "set_tiles",
+    "tiles_available",
 )
 
 
@@ -220,3 +222,16 @@ def set_wide_single_row(on: bool) -> bool:
     either way, only the speed differs by CPU). Process-wide; returns the previous setting (always False where
     the build has no such form)."""
     return bool(_op("set_wide_single_row")(on))
+
+
+def set_tiles(on: bool) -> bool:
+    """Whether bf16 and int8 linears of whole-tile shapes (16-row blocks, K a multiple of 32 / 64) run on AMX
+    tiles (builds for AMX CPUs, where Linux grants the tile state) or on the vector register tiles. int8 gives
+    the same bits either way; bf16 sums its products in another order. Process-wide; returns the previous
+    setting (always False where there are no tiles)."""
+    return bool(_op("set_tiles")(on))
+
+
+def tiles_available() -> bool:
+    """Whether the kernels built here have AMX tiles and Linux granted this process their state."""
+    return bool(_op("tiles_available")())

@@ -20,6 +20,7 @@
 #include <atomic>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "gemm_blocks.h"
 
 namespace llmp {
@@ -187,25 +188,30 @@ class Team {
 // shared out by `team`.
 template <typename Fmt>
 void team_rows(Team& team, const Fmt& f, const Problem& p) {
-  const int64_t num_blocks = (p.N + kRows - 1) / kRows;
-  team.for_units(num_blocks, [&](int64_t b) { row_block<kRows>(f, p, b); });
+  constexpr int NB = rows_per_block<Fmt, kRows>();
+  const int64_t num_blocks = (p.N + NB - 1) / NB;
+  team.for_units(num_blocks, [&](int64_t b) { row_block<NB>(f, p, b); });
 }
 
 // gate_up then act(gate) * up, one work unit = kUnit MLP columns (their gate and up rows), so the thread that
 // computed a column's gate and up values applies the activation without waiting for the others.
 template <Activation A, typename Fmt>
 void team_gate_up(Team& team, const Fmt& f, const Problem& p, float* act) {
-  const int64_t I = p.N / 2, num_units = (I + kUnit - 1) / kUnit;
+  constexpr int NB = rows_per_block<Fmt, kRows>();
+  constexpr int64_t unit = NB > kUnit ? NB : kUnit;
+  const int64_t I = p.N / 2, num_units = (I + unit - 1) / unit;
   team.for_units(num_units, [&](int64_t u) {
-    const int64_t j0 = u * kUnit, j1 = j0 + kUnit < I ? j0 + kUnit : I;
+    const int64_t j0 = u * unit, j1 = j0 + unit < I ? j0 + unit : I;
     int64_t j = j0;
-    for (; j + kRows <= j1; j += kRows) {
-      rows<kRows>(f, p, j);
-      rows<kRows>(f, p, I + j);
+    for (; j + NB <= j1; j += NB) {
+      rows<NB>(f, p, j);
+      rows<NB>(f, p, I + j);
     }
-    for (; j < j1; ++j) {
-      rows<1>(f, p, j);
-      rows<1>(f, p, I + j);
+    if constexpr (!WholeBlocks<Fmt>) {
+      for (; j < j1; ++j) {
+        rows<1>(f, p, j);
+        rows<1>(f, p, I + j);
+      }
     }
     act_mul<A>(p.y, p.M, I, j0, j1, act);
   });
@@ -213,8 +219,20 @@ void team_gate_up(Team& team, const Fmt& f, const Problem& p, float* act) {
 
 int64_t num_groups(const LinearRef& l) { return int4_groups(l.K, l.group_size); }
 
-// Floats of per-thread scratch a linear needs beyond the normed activations.
-int64_t linear_scratch(const LinearRef& l, int64_t M) {
+#if defined(LLMP_TILES)
+// Whether a linear runs on AMX tiles: bf16 and int8 weights of whole-tile shapes, steps of enough rows, where
+// the tiles are on.
+bool on_tiles(const LinearRef& l, int64_t M, bool pair) {
+  if (l.kind == WeightKind::kBF16)
+    return M >= kBf16TileMinRows && tiles_fit(l.N, l.K, kBf16TileK, pair) && tiles_on();
+  if (l.kind == WeightKind::kInt8)
+    return M >= kInt8TileMinRows && tiles_fit(l.N, l.K, kInt8TileK, pair) && tiles_on();
+  return false;
+}
+#endif
+
+// Floats of per-thread scratch the register tiles' path of a linear needs beyond the normed activations.
+int64_t register_tile_scratch(const LinearRef& l, int64_t M) {
   switch (l.kind) {
     case WeightKind::kInt4:
       return M <= kInt4DirectMaxRows ? int4_dot_activation_floats(M, l.K, num_groups(l))
@@ -226,6 +244,19 @@ int64_t linear_scratch(const LinearRef& l, int64_t M) {
     default:
       return 0;
   }
+}
+
+// Floats of per-thread scratch a linear needs beyond the normed activations (enough for either path where
+// tiles may run: set_tiles can switch between the sizing and the call).
+int64_t linear_scratch(const LinearRef& l, int64_t M) {
+#if defined(LLMP_TILES)
+  int64_t tiles = 0;
+  if (l.kind == WeightKind::kBF16) tiles = TilesBF16::scratch_floats(M, l.K);
+  if (l.kind == WeightKind::kInt8) tiles = TilesInt8::scratch_floats(M, l.K);
+#else
+  const int64_t tiles = 0;
+#endif
+  return std::max(tiles, register_tile_scratch(l, M));
 }
 
 // y = x @ W.T + bias (or y += ..., `accumulate`) with the team; `pair_act` selects the gate_up form with
@@ -242,6 +273,21 @@ void team_linear(Team& team, const LinearRef& l, const float* x, int64_t M, int6
       team_rows(team, fmt, p);
     }
   };
+#if defined(LLMP_TILES)
+  if (on_tiles(l, M, pair_act != nullptr)) {
+    // Like the register tiles: each thread packs its own copy of the activation rows.
+    const auto on = [&](const auto& fmt) {
+      start_tiles(fmt.width);
+      go(fmt);
+      stop_tiles();
+    };
+    if (l.kind == WeightKind::kBF16)
+      on(TilesBF16::prepare(static_cast<const bf16*>(l.w), p, scratch));
+    else
+      on(TilesInt8::prepare(static_cast<const int8_t*>(l.w), l.scales, p, scratch));
+    return;
+  }
+#endif
   switch (l.kind) {
     case WeightKind::kF32:
       go(DenseF32{static_cast<const float*>(l.w)});

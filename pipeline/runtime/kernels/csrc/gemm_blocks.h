@@ -888,23 +888,44 @@ inline void row_tiles(const Fmt& f, const Problem& p, int64_t n0) {
   }
 }
 
+// Formats that compute a whole block of kBlockRows weight rows against every activation row themselves (the
+// AMX tiles of amx_tiles.h) instead of through the register tiles above; N is a multiple of kBlockRows.
+template <typename Fmt>
+concept WholeBlocks = requires { Fmt::kBlockRows; };
+
+// Weight rows per block: the format's own, else `fallback`.
+template <typename Fmt, int fallback>
+constexpr int rows_per_block() {
+  if constexpr (WholeBlocks<Fmt>)
+    return Fmt::kBlockRows;
+  else
+    return fallback;
+}
+
 template <int NB, typename Fmt>
 inline void rows(const Fmt& f, const Problem& p, int64_t n0) {
-  f.template prepare<NB>(p, n0);
+  if constexpr (WholeBlocks<Fmt>) {
+    static_assert(NB == Fmt::kBlockRows, "whole-block formats take blocks of their own size");
+    f.whole_block(p, n0);
+  } else {
+    f.template prepare<NB>(p, n0);
 #if defined(__AVX512F__)
-  if (p.M >= kWideMinRows || (p.M == 1 && wide_single_row.load(std::memory_order_relaxed))) {
-    row_tiles<Wide, kWideTileRows, NB>(f, p, n0);
-    return;
-  }
+    if (p.M >= kWideMinRows || (p.M == 1 && wide_single_row.load(std::memory_order_relaxed))) {
+      row_tiles<Wide, kWideTileRows, NB>(f, p, n0);
+      return;
+    }
 #endif
-  row_tiles<Narrow, kNarrowTileRows, NB>(f, p, n0);
+    row_tiles<Narrow, kNarrowTileRows, NB>(f, p, n0);
+  }
 }
 
 // Block b of NB weight rows (rows NB b .. NB b + NB - 1), or the rows left over past the last full block.
 template <int NB, typename Fmt>
 inline void row_block(const Fmt& f, const Problem& p, int64_t b) {
   const int64_t n0 = b * NB;
-  if (n0 + NB <= p.N) {
+  if constexpr (WholeBlocks<Fmt>) {
+    rows<NB>(f, p, n0);
+  } else if (n0 + NB <= p.N) {
     rows<NB>(f, p, n0);
   } else {
     for (int64_t n = n0; n < p.N; ++n) rows<1>(f, p, n);

@@ -15,6 +15,7 @@
 // int16 (quantize_rows_int16) and sum exactly; the fallback multiplies the same rounded values in fp32.
 // Threads: OpenMP over blocks of output rows. libgomp is the one torch already loaded (same soname), so
 // these regions reuse torch's thread team instead of adding a second set of spinning threads.
+#include "amx_tiles.h"
 #include "gemm_blocks.h"
 
 namespace {
@@ -33,6 +34,21 @@ void run(const Fmt& f, const Problem& p, int num_threads) {
   for (int64_t b = 0; b < num_blocks; ++b) row_block<NB>(f, p, b);
 }
 
+#if defined(LLMP_TILES)
+// As run(), on AMX tiles: every thread configures its tiles first.
+template <typename Fmt>
+void run_tiles(const Fmt& f, const Problem& p, int num_threads) {
+  const int64_t num_blocks = p.N / Fmt::kBlockRows;
+#pragma omp parallel num_threads(num_threads) if (worth_threads(p, num_threads))
+  {
+    start_tiles(f.width);
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < num_blocks; ++b) row_block<Fmt::kBlockRows>(f, p, b);
+    stop_tiles();
+  }
+}
+#endif
+
 }  // namespace
 
 extern "C" {
@@ -47,6 +63,15 @@ void llmp_gemm_f32(const float* x, int64_t M, int64_t K, int64_t ldx, const floa
 int llmp_gemm_int8(const float* x, int64_t M, int64_t K, int64_t ldx, const int8_t* w, const float* scales,
                    const float* bias, float* y, int64_t N, int num_threads) {
   const Problem p{x, M, K, ldx, N, bias, y, N, false};
+#if defined(LLMP_TILES)
+  if (M >= kInt8GemmTileMinRows && tiles_fit(N, K, kInt8TileK, false) && tiles_on()) {
+    float* tile_scratch = static_cast<float*>(malloc(sizeof(float) * TilesInt8::scratch_floats(M, K)));
+    if (!tile_scratch) return -1;
+    run_tiles(TilesInt8::prepare(w, scales, p, tile_scratch), p, num_threads);
+    free(tile_scratch);
+    return 0;
+  }
+#endif
   void* scratch = malloc(sizeof(int16_t) * M * K + sizeof(float) * M);
   if (!scratch) return -1;
   auto* xs = static_cast<float*>(scratch);

@@ -12,6 +12,7 @@
 
 #include <optional>
 
+#include "amx_tiles.h"
 #include "gemm_blocks.h"
 #include "greedy_head.h"
 #include "paged_attention.h"
@@ -227,6 +228,28 @@ bool set_wide_single_row(bool on) {
 #endif
 }
 
+// bf16 and int8 linears of whole-tile shapes on AMX tiles (on) or on the register tiles (off); returns the
+// previous setting. Builds without AMX, or a kernel that refuses the tile state, have only the latter: there it
+// stays off.
+bool set_tiles(bool on) {
+#if defined(LLMP_TILES)
+  if (!llmp::tiles_permitted()) return false;
+  return llmp::tiles_enabled.exchange(on);
+#else
+  (void)on;
+  return false;
+#endif
+}
+
+// Whether this build has AMX tiles and Linux granted this process their state.
+bool tiles_available() {
+#if defined(LLMP_TILES)
+  return llmp::tiles_permitted();
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(llmpipe_quant, m) {
@@ -242,6 +265,8 @@ TORCH_LIBRARY(llmpipe_quant, m) {
       "int num_heads, int block_size, int window, int max_context, float scale, float softcap=0.) -> Tensor");
   m.def("add_rms_norm(Tensor(a!) hidden, Tensor? delta, Tensor weight, float eps) -> Tensor");
   m.def("set_wide_single_row(bool on) -> bool", set_wide_single_row);
+  m.def("set_tiles(bool on) -> bool", set_tiles);
+  m.def("tiles_available() -> bool", tiles_available);
 }
 
 TORCH_LIBRARY_IMPL(llmpipe_quant, CPU, m) {

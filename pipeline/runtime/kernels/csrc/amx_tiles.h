@@ -1,0 +1,355 @@
+// AMX tile formats (Sapphire Rapids and later): a block of 16 weight rows against every activation row of a step
+// in tile multiply-adds, for bf16 and int8 weights. Built into the library only where the CPU has AMX
+// (build.py's "amx" instruction set); elsewhere tiles_available() is false and the register tiles of
+// gemm_blocks.h run every step.
+//
+// Layout: the weights stay as stored ([N, K] rows): a weight block is the A operand (16 rows of 64 bytes, one
+// tile load with the row stride of W), and the activations are packed per call into the B operand's
+// layout (16 k-pairs (bf16) or k-quads (int8) by 16 activation rows), so no engine format changes with the CPU.
+// A C tile then holds 16 weight rows by 16 activation rows, transposed on the way out.
+//
+// Numerics: int8 dots are exact, the same integers as the register tiles: the int16 activation levels
+// (quantize_rows_int16) are split into a signed high byte and an unsigned low byte, x = 256 hi + lo, each
+// multiplied in its own tile (dpbssd, dpbsud) into int32 sums that cannot overflow (|w hi| <= 127 * 64 and
+// w lo <= 127 * 255 per product), joined in int64. So an int8 step gives the same bits with tiles or without.
+// bf16 dots multiply the same bf16-rounded activations as the register tiles and sum the products in fp32 in
+// the tile unit's order, so they differ from the register tiles' sums by rounding (~1e-6 relative); a row's
+// result still does not depend on the rows beside it, since each C element sums its own row and column.
+#pragma once
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+
+#include "gemm_blocks.h"
+
+namespace llmp {
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__)
+#define LLMP_TILES 1
+
+constexpr int kTileRows = 16;         // rows of every tile: weight rows of a block, activation rows of a B tile
+constexpr int64_t kBf16TileK = 32;    // k a bf16 tile step covers (16 pairs)
+constexpr int64_t kInt8TileK = 64;    // k an int8 tile step covers (16 quads)
+
+// Linux gives a process the 8 KB of tile state only after it asks (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA); the permission is process-wide, so once is enough.
+inline bool tiles_permitted() {
+  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  static const bool permitted = syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  return permitted;
+}
+
+// Off only on request (set_tiles: tests and benchmarks compare both paths in one process).
+inline std::atomic<bool> tiles_enabled{true};
+
+inline bool tiles_on() { return tiles_enabled.load(std::memory_order_relaxed) && tiles_permitted(); }
+
+// Fewest activation rows a step takes to the tiles. Below them the register tiles win: a tile load takes one
+// 64-byte line from each of 16 weight rows, which streams from memory slower than whole rows do, and a one-row
+// int8 step pays two tile multiply-adds per line (high and low bytes). Measured on a Sapphire Rapids class Xeon
+// (2 threads, SmolLM2-135M, scripts/bench_kernels.py ab, tiles / register tiles time): the bf16 decoder layers
+// 1.12x at one row, 0.91x at 2-4, 0.62x at 8, 0.47x at 16; the int8 ones 1.3-1.8x at 1-4 rows, 1.14x at 8,
+// 0.8x at 16; the int8 lm_head GEMM (greedy head) 1.05-1.1x at 1-4 rows, 0.7x at 8, 0.55x at 16.
+constexpr int64_t kBf16TileMinRows = 2;
+constexpr int64_t kInt8TileMinRows = 12;
+constexpr int64_t kInt8GemmTileMinRows = 8;
+
+// Whether a layer's shape walks in whole tiles: 16-row weight blocks (twice that for a gate_up pair, whose
+// gate and up halves go in units of 16 columns each) and whole tile steps along K.
+inline bool tiles_fit(int64_t N, int64_t K, int64_t tile_k, bool pair) {
+  return N % (pair ? 2 * kTileRows : kTileRows) == 0 && K % tile_k == 0;
+}
+
+// Palette 1: every tile 16 rows; A tiles (weights) of 64 bytes, B and C tiles of 4 bytes per activation row.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3 accumulate (C), 4-5 hold weights (A), 6-7 activations (B).
+constexpr int kFirstWeightTile = 4, kFirstActivationTile = 6;
+
+// Each thread loads the configuration before its tile ops and releases the tiles after them: torch's oneDNN
+// kernels configure and release the same registers between our calls. `width`: activation rows per B tile.
+inline void start_tiles(int64_t width) {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) {
+    c.colsb[t] = static_cast<uint16_t>(t >= kFirstWeightTile && t < kFirstActivationTile ? 64 : 4 * width);
+    c.rows[t] = kTileRows;
+  }
+  _tile_loadconfig(&c);
+}
+inline void stop_tiles() { _tile_release(); }
+
+inline int64_t padded_rows(int64_t M) { return (M + kTileRows - 1) / kTileRows * kTileRows; }
+
+// Activation rows per B tile: a step of up to 16 rows fills one tile of exactly its rows (so a decode step
+// loads and multiplies no padding), longer steps tiles of 16, the last one padded with zeros.
+inline int64_t tile_width(int64_t M) { return M < kTileRows ? M : kTileRows; }
+
+// p rounded up to a 64-byte line: a tile row that straddles two lines loads at half speed (prepare's scratch
+// keeps kAlignSlack floats for it).
+constexpr int64_t kAlignSlack = 16;
+inline uint32_t* line_aligned(void* p) {
+  return reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t{63});
+}
+
+// 32-bit units [M, Q] (row stride ld) -> the B tiles of every block of W = tile_width(M) rows:
+// packed[(mb Q + q) W + i] = src[W mb + i][q], rows past M zero.
+inline void pack_tile_columns(const uint32_t* src, int64_t ld, int64_t M, int64_t Q, uint32_t* packed) {
+  const int64_t W = tile_width(M);
+  const __m512i index = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32(static_cast<int>(ld)));
+  for (int64_t mb = 0; mb * W < M; ++mb) {
+    const int64_t rows = M - mb * W < W ? M - mb * W : W;
+    const uint32_t* base = src + mb * W * ld;
+    uint32_t* out = packed + mb * Q * W;
+    if (rows < kTileRows / 2) {  // few rows (decode): their values one by one
+      if (rows < W) memset(out, 0, sizeof(uint32_t) * Q * W);
+      for (int64_t i = 0; i < rows; ++i)
+        for (int64_t q = 0; q < Q; ++q) out[q * W + i] = base[i * ld + q];
+      continue;
+    }
+    const __mmask16 valid = static_cast<__mmask16>((1u << rows) - 1u), lanes = static_cast<__mmask16>((1u << W) - 1u);
+    for (int64_t q = 0; q < Q; ++q)
+      _mm512_mask_storeu_epi32(out + q * W, lanes,
+                               _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, index, base + q, 4));
+  }
+  asm volatile("" ::: "memory");  // the tile loads read `packed` through asm the compiler cannot see into
+}
+
+// Before k-step c of a block (16 rows of `row_bytes` from `block`, `steps` steps of one 64-byte line per row):
+// the lines of step c + kPrefetchSteps, in the next block once past this one's end. A tile load takes one line
+// from each of 16 rows, a pattern the hardware prefetchers follow less well than one stream.
+constexpr int64_t kPrefetchSteps = 4;
+inline void prefetch_rows(const char* block, int64_t row_bytes, int64_t steps, int64_t c) {
+  const int64_t ahead = c + kPrefetchSteps;
+  const char* line = ahead < steps ? block + ahead * 64 : block + kTileRows * row_bytes + (ahead - steps) * 64;
+  for (int r = 0; r < kTileRows; ++r) _mm_prefetch(line + r * row_bytes, _MM_HINT_T0);
+}
+
+// Column i of a stored C tile (16 rows of W 32-bit values): the 16 weight rows' outputs for activation row i.
+inline __m512i tile_column(const void* block, int64_t W, int64_t i) {
+  const __m512i index = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32(static_cast<int>(W)));
+  return _mm512_i32gather_epi32(index, static_cast<const int*>(block) + i, 4);
+}
+
+// y[m, n0 .. n0 + 15] = v * scale + bias, or += with p.accumulate, as emit() computes them.
+inline void put_tile_row(const Problem& p, int64_t n0, int64_t m, __m512 v, __m512 scale) {
+  v = _mm512_fmadd_ps(v, scale, p.bias != nullptr ? _mm512_loadu_ps(p.bias + n0) : _mm512_setzero_ps());
+  float* y = p.y + m * p.ldy + n0;
+  _mm512_storeu_ps(y, p.accumulate ? _mm512_add_ps(_mm512_loadu_ps(y), v) : v);
+}
+
+// bf16 weights. xp: the activation rows rounded to bf16 (round_rows_bf16) and packed as k-pairs.
+struct TilesBF16 {
+  static constexpr int kBlockRows = kTileRows;
+  const bf16* w;
+  const uint32_t* xp;  // [blocks, K / 2, width]
+  int64_t width;       // tile_width(M)
+
+  // Floats of scratch prepare() takes for M rows of K.
+  static int64_t scratch_floats(int64_t M, int64_t K) { return (M * K + padded_rows(M) * K) / 2 + 1 + kAlignSlack; }
+
+  static TilesBF16 prepare(const bf16* w, const Problem& p, float* scratch) {
+    auto* rounded = reinterpret_cast<bf16*>(scratch);
+    uint32_t* packed = line_aligned(rounded + p.M * p.K);
+    round_rows_bf16(p.x, p.M, p.K, p.ldx, rounded);
+    pack_tile_columns(reinterpret_cast<const uint32_t*>(rounded), p.K / 2, p.M, p.K / 2, packed);
+    return TilesBF16{w, packed, tile_width(p.M)};
+  }
+
+  // Activation block mb against weight rows n0 .. n0 + 15: k-step c into C tile c % 4 (four independent
+  // accumulators keep the tile unit busy where one would wait out each multiply-add's latency), summed as
+  // (C0 + C1) + (C2 + C3) whatever the step's row count.
+  void pass(const Problem& p, int64_t n0, int64_t mb, bool prefetch, float out[kTileRows * kTileRows]) const {
+    const int64_t K = p.K, steps = K / kBf16TileK;
+    const bf16* wb = w + n0 * K;
+    const int64_t W = width, ldb = 4 * W;
+    const uint32_t* xb = xp + mb * (K / 2) * W;
+    const auto fetch = [&](int64_t c) {
+      if (prefetch) prefetch_rows(reinterpret_cast<const char*>(wb), K * 2, steps, c);
+    };
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    int64_t c = 0;
+    for (; c + 4 <= steps; c += 4) {
+      fetch(c);
+      fetch(c + 1);
+      fetch(c + 2);
+      fetch(c + 3);
+      _tile_loadd(4, wb + c * kBf16TileK, K * 2);
+      _tile_loadd(6, xb + c * 16 * W, ldb);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(5, wb + (c + 1) * kBf16TileK, K * 2);
+      _tile_loadd(7, xb + (c + 1) * 16 * W, ldb);
+      _tile_dpbf16ps(1, 5, 7);
+      _tile_loadd(4, wb + (c + 2) * kBf16TileK, K * 2);
+      _tile_loadd(6, xb + (c + 2) * 16 * W, ldb);
+      _tile_dpbf16ps(2, 4, 6);
+      _tile_loadd(5, wb + (c + 3) * kBf16TileK, K * 2);
+      _tile_loadd(7, xb + (c + 3) * 16 * W, ldb);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    if (c < steps) {
+      fetch(c);
+      _tile_loadd(4, wb + c * kBf16TileK, K * 2);
+      _tile_loadd(6, xb + c * 16 * W, ldb);
+      _tile_dpbf16ps(0, 4, 6);
+    }
+    if (++c < steps) {
+      fetch(c);
+      _tile_loadd(5, wb + c * kBf16TileK, K * 2);
+      _tile_loadd(7, xb + c * 16 * W, ldb);
+      _tile_dpbf16ps(1, 5, 7);
+    }
+    if (++c < steps) {
+      fetch(c);
+      _tile_loadd(4, wb + c * kBf16TileK, K * 2);
+      _tile_loadd(6, xb + c * 16 * W, ldb);
+      _tile_dpbf16ps(2, 4, 6);
+    }
+    alignas(64) float parts[4][kTileRows * kTileRows];
+    _tile_stored(0, parts[0], ldb);
+    _tile_stored(1, parts[1], ldb);
+    _tile_stored(2, parts[2], ldb);
+    _tile_stored(3, parts[3], ldb);
+    for (int64_t i = 0; i < kTileRows * W; i += 16)
+      _mm512_store_ps(out + i, _mm512_add_ps(_mm512_add_ps(_mm512_load_ps(parts[0] + i), _mm512_load_ps(parts[1] + i)),
+                                             _mm512_add_ps(_mm512_load_ps(parts[2] + i), _mm512_load_ps(parts[3] + i))));
+  }
+
+  void whole_block(const Problem& p, int64_t n0) const {
+    alignas(64) float out[kTileRows * kTileRows];
+    for (int64_t mb = 0; mb * width < p.M; ++mb) {
+      pass(p, n0, mb, mb == 0, out);
+      for (int64_t i = 0; i < width && mb * width + i < p.M; ++i)
+        put_tile_row(p, n0, mb * width + i, _mm512_castsi512_ps(tile_column(out, width, i)), _mm512_set1_ps(1.0f));
+    }
+  }
+};
+
+// int8 weights. xh / xl: the high (signed) and low (unsigned) bytes of the int16 activation levels, packed as
+// k-quads; xs: the levels' per-row scales.
+struct TilesInt8 {
+  static constexpr int kBlockRows = kTileRows;
+  const int8_t* w;
+  const float* scales;  // [N]
+  const uint32_t* xh;   // [blocks, K / 4, width]
+  const uint32_t* xl;
+  const float* xs;      // [M]
+  int64_t width;        // tile_width(M)
+
+  static int64_t scratch_floats(int64_t M, int64_t K) {
+    return M + (M * K + 1) / 2 + (2 * M * K + 3) / 4 + (2 * padded_rows(M) * K + 3) / 4 + kAlignSlack;
+  }
+
+  // Quantizes p's rows (quantize_rows_int16) into `scratch` and packs their bytes.
+  static TilesInt8 prepare(const int8_t* w, const float* scales, const Problem& p, float* scratch) {
+    const int64_t M = p.M, K = p.K;
+    float* xs = scratch;
+    auto* xq = reinterpret_cast<int16_t*>(xs + M);
+    quantize_rows_int16(p.x, M, K, p.ldx, xq, xs);
+    auto* bytes = reinterpret_cast<uint8_t*>(scratch + M + (M * K + 1) / 2);  // hi [M, K], then lo [M, K]
+    split_bytes(xq, M * K, bytes, bytes + M * K);
+    uint32_t* xh = line_aligned(bytes + 2 * M * K);
+    uint32_t* xl = xh + padded_rows(M) * K / 4;
+    pack_tile_columns(reinterpret_cast<const uint32_t*>(bytes), K / 4, M, K / 4, xh);
+    pack_tile_columns(reinterpret_cast<const uint32_t*>(bytes + M * K), K / 4, M, K / 4, xl);
+    return TilesInt8{w, scales, xh, xl, xs, tile_width(M)};
+  }
+
+  // x = 256 hi + lo: hi = x >> 8 in [-64, 63], lo = x & 255.
+  static void split_bytes(const int16_t* xq, int64_t count, uint8_t* hi, uint8_t* lo) {
+    int64_t i = 0;
+    for (; i + 32 <= count; i += 32) {
+      const __m512i v = _mm512_loadu_si512(xq + i);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + i), _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + i),
+                          _mm512_cvtepi16_epi8(_mm512_and_si512(v, _mm512_set1_epi16(0xFF))));
+    }
+    for (; i < count; ++i) {
+      hi[i] = static_cast<uint8_t>(static_cast<int8_t>(xq[i] >> 8));
+      lo[i] = static_cast<uint8_t>(xq[i] & 0xFF);
+    }
+  }
+
+  // Activation block mb against weight rows n0 .. n0 + 15: high-byte sums of even k-steps in C tile 0, odd
+  // ones in 1, low-byte sums in 2 and 3 (four independent accumulators, as TilesBF16); joined exactly.
+  void pass(const Problem& p, int64_t n0, int64_t mb, bool prefetch, int32_t hi[kTileRows * kTileRows],
+            int32_t lo[kTileRows * kTileRows]) const {
+    const int64_t K = p.K, steps = K / kInt8TileK, W = width, ldb = 4 * W, at = mb * (K / 4) * W;
+    const int8_t* wb = w + n0 * K;
+    const auto fetch = [&](int64_t c) {
+      if (prefetch) prefetch_rows(reinterpret_cast<const char*>(wb), K, steps, c);
+    };
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    int64_t c = 0;
+    for (; c + 2 <= steps; c += 2) {
+      fetch(c);
+      fetch(c + 1);
+      _tile_loadd(4, wb + c * kInt8TileK, K);
+      _tile_loadd(6, xh + at + c * 16 * W, ldb);
+      _tile_loadd(7, xl + at + c * 16 * W, ldb);
+      _tile_dpbssd(0, 4, 6);
+      _tile_dpbsud(2, 4, 7);
+      _tile_loadd(5, wb + (c + 1) * kInt8TileK, K);
+      _tile_loadd(6, xh + at + (c + 1) * 16 * W, ldb);
+      _tile_loadd(7, xl + at + (c + 1) * 16 * W, ldb);
+      _tile_dpbssd(1, 5, 6);
+      _tile_dpbsud(3, 5, 7);
+    }
+    if (c < steps) {
+      fetch(c);
+      _tile_loadd(4, wb + c * kInt8TileK, K);
+      _tile_loadd(6, xh + at + c * 16 * W, ldb);
+      _tile_loadd(7, xl + at + c * 16 * W, ldb);
+      _tile_dpbssd(0, 4, 6);
+      _tile_dpbsud(2, 4, 7);
+    }
+    alignas(64) int32_t parts[2][kTileRows * kTileRows];
+    _tile_stored(0, hi, ldb);
+    _tile_stored(1, parts[0], ldb);
+    _tile_stored(2, lo, ldb);
+    _tile_stored(3, parts[1], ldb);
+    for (int64_t i = 0; i < kTileRows * W; i += 16) {
+      _mm512_store_si512(hi + i, _mm512_add_epi32(_mm512_load_si512(hi + i), _mm512_load_si512(parts[0] + i)));
+      _mm512_store_si512(lo + i, _mm512_add_epi32(_mm512_load_si512(lo + i), _mm512_load_si512(parts[1] + i)));
+    }
+  }
+
+  void whole_block(const Problem& p, int64_t n0) const {
+    alignas(64) int32_t hi[kTileRows * kTileRows], lo[kTileRows * kTileRows];
+    const __m512 s = _mm512_loadu_ps(scales + n0);
+    for (int64_t mb = 0; mb * width < p.M; ++mb) {
+      pass(p, n0, mb, mb == 0, hi, lo);
+      for (int64_t i = 0; i < width && mb * width + i < p.M; ++i) {
+        const int64_t m = mb * width + i;
+        const __m512i h = tile_column(hi, width, i), l = tile_column(lo, width, i);
+        // The exact dot 256 hi + lo in int64, rounded once to fp32 as the register tiles' int64 sums are.
+        const auto dot = [](__m256i h8, __m256i l8) {
+          return _mm512_cvtepi64_ps(
+              _mm512_add_epi64(_mm512_slli_epi64(_mm512_cvtepi32_epi64(h8), 8), _mm512_cvtepi32_epi64(l8)));
+        };
+        const __m512 d = _mm512_insertf32x8(
+            _mm512_castps256_ps512(dot(_mm512_castsi512_si256(h), _mm512_castsi512_si256(l))),
+            dot(_mm512_extracti64x4_epi64(h, 1), _mm512_extracti64x4_epi64(l, 1)), 1);
+        put_tile_row(p, n0, m, _mm512_mul_ps(d, _mm512_set1_ps(xs[m])), s);
+      }
+    }
+  }
+};
+#endif
+
+}  // namespace llmp
