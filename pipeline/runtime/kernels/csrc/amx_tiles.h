@@ -165,12 +165,11 @@ struct TilesBF16 {
     return TilesBF16{w, packed, tile_width(p.M)};
   }
 
-  // Activation block mb against weight rows n0 .. n0 + 15: k-step c into C tile c % 4 (four independent
-  // accumulators keep the tile unit busy where one would wait out each multiply-add's latency), summed as
-  // (C0 + C1) + (C2 + C3) whatever the step's row count.
-  void pass(const Problem& p, int64_t n0, int64_t mb, bool prefetch, float out[kTileRows * kTileRows]) const {
+  // Activation block mb against the 16 weight rows at wb (row stride K): k-step c into C tile c % 4 (four
+  // independent accumulators keep the tile unit busy where one would wait out each multiply-add's latency),
+  // summed as (C0 + C1) + (C2 + C3) whatever the step's row count.
+  void pass(const Problem& p, const bf16* wb, int64_t mb, bool prefetch, float out[kTileRows * kTileRows]) const {
     const int64_t K = p.K, steps = K / kBf16TileK;
-    const bf16* wb = w + n0 * K;
     const int64_t W = width, ldb = 4 * W;
     const uint32_t* xb = xp + mb * (K / 2) * W;
     const auto fetch = [&](int64_t c) {
@@ -227,10 +226,14 @@ struct TilesBF16 {
                                              _mm512_add_ps(_mm512_load_ps(parts[2] + i), _mm512_load_ps(parts[3] + i))));
   }
 
-  void whole_block(const Problem& p, int64_t n0) const {
+  void whole_block(const Problem& p, int64_t n0) const { block_rows(p, n0, w + n0 * p.K, true); }
+
+  // Every activation row against the 16 weight rows at wb (output rows n0 .. n0 + 15); `prefetch`: stream the
+  // rows after them (weights read from memory, not a tile dequantized into cache).
+  void block_rows(const Problem& p, int64_t n0, const bf16* wb, bool prefetch) const {
     alignas(64) float out[kTileRows * kTileRows];
     for (int64_t mb = 0; mb * width < p.M; ++mb) {
-      pass(p, n0, mb, mb == 0, out);
+      pass(p, wb, mb, prefetch && mb == 0, out);
       for (int64_t i = 0; i < width && mb * width + i < p.M; ++i)
         put_tile_row(p, n0, mb * width + i, _mm512_castsi512_ps(tile_column(out, width, i)), _mm512_set1_ps(1.0f));
     }
@@ -348,6 +351,37 @@ struct TilesInt8 {
         put_tile_row(p, n0, m, _mm512_mul_ps(d, _mm512_set1_ps(xs[m])), s);
       }
     }
+  }
+};
+
+// int4 weights in steps of more than kInt4DirectMaxRows rows: each 16-row block dequantized into this thread's
+// bf16 tile (as Int4Tile rounds it) and multiplied there as a bf16 block, the activations rounded to bf16.
+struct TilesInt4 {
+  static constexpr int kBlockRows = kTileRows;
+  const uint8_t* w;
+  const float* scales;
+  const float* zeros;
+  int64_t gs, G;
+  bf16* tiles;  // [threads, 16, K]: each thread's tile is tiles + thread * tile_stride
+  int64_t tile_stride;
+  TilesBF16 activations;  // the packed activation rows (its w unused)
+  int64_t width;          // tile_width(M)
+
+  static int64_t tile_floats(int64_t K) { return kTileRows * K / 2 + kAlignSlack; }
+
+  static TilesInt4 prepare(const uint8_t* w, const float* scales, const float* zeros, int64_t gs, const Problem& p,
+                           float* tiles, int64_t tile_stride, float* scratch) {
+    return TilesInt4{w,           scales, zeros, gs, int4_groups(p.K, gs), reinterpret_cast<bf16*>(line_aligned(tiles)),
+                     tile_stride, TilesBF16::prepare(nullptr, p, scratch), tile_width(p.M)};
+  }
+
+  void whole_block(const Problem& p, int64_t n0) const {
+    const int64_t K = p.K, ldw = K / 2;
+    bf16* tile = tiles + omp_get_thread_num() * tile_stride;
+    for (int r = 0; r < kTileRows; ++r)
+      dequant_int4_row<true>(w + (n0 + r) * ldw, scales + (n0 + r) * G, zeros + (n0 + r) * G, K, gs,
+                             w + (n0 + kTileRows + r) * ldw, tile + r * K);
+    activations.block_rows(p, n0, tile, false);
   }
 };
 #endif

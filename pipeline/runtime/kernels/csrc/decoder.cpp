@@ -227,6 +227,8 @@ bool on_tiles(const LinearRef& l, int64_t M, bool pair) {
     return M >= kBf16TileMinRows && tiles_fit(l.N, l.K, kBf16TileK, pair) && tiles_on();
   if (l.kind == WeightKind::kInt8)
     return M >= kInt8TileMinRows && tiles_fit(l.N, l.K, kInt8TileK, pair) && tiles_on();
+  if (l.kind == WeightKind::kInt4)
+    return M > kInt4DirectMaxRows && tiles_fit(l.N, l.K, kBf16TileK, pair) && tiles_on();
   return false;
 }
 #endif
@@ -253,6 +255,7 @@ int64_t linear_scratch(const LinearRef& l, int64_t M) {
   int64_t tiles = 0;
   if (l.kind == WeightKind::kBF16) tiles = TilesBF16::scratch_floats(M, l.K);
   if (l.kind == WeightKind::kInt8) tiles = TilesInt8::scratch_floats(M, l.K);
+  if (l.kind == WeightKind::kInt4) tiles = TilesInt4::tile_floats(l.K) + TilesBF16::scratch_floats(M, l.K);
 #else
   const int64_t tiles = 0;
 #endif
@@ -283,8 +286,11 @@ void team_linear(Team& team, const LinearRef& l, const float* x, int64_t M, int6
     };
     if (l.kind == WeightKind::kBF16)
       on(TilesBF16::prepare(static_cast<const bf16*>(l.w), p, scratch));
-    else
+    else if (l.kind == WeightKind::kInt8)
       on(TilesInt8::prepare(static_cast<const int8_t*>(l.w), l.scales, p, scratch));
+    else
+      on(TilesInt4::prepare(static_cast<const uint8_t*>(l.w), l.scales, l.zeros, l.group_size, p, scratch, 0,
+                            scratch + TilesInt4::tile_floats(l.K)));
     return;
   }
 #endif

@@ -91,6 +91,19 @@ int llmp_gemm_int4(const float* x, int64_t M, int64_t K, int64_t ldx, const uint
   const int64_t G = int4_groups(K, group_size);
   const Problem p{x, M, K, ldx, N, bias, y, N, false};
   const bool direct = M <= kInt4DirectMaxRows;
+#if defined(LLMP_TILES)
+  if (!direct && tiles_fit(N, K, kBf16TileK, false) && tiles_on()) {
+    const int64_t tile_floats = TilesInt4::tile_floats(K);
+    float* tile_scratch =
+        static_cast<float*>(malloc(sizeof(float) * (num_threads * tile_floats + TilesBF16::scratch_floats(M, K))));
+    if (!tile_scratch) return -1;
+    run_tiles(TilesInt4::prepare(w, scales, zeros, group_size, p, tile_scratch, kTileRows * K,
+                                 tile_scratch + num_threads * tile_floats),
+              p, num_threads);
+    free(tile_scratch);
+    return 0;
+  }
+#endif
   const int64_t scratch_floats = direct ? int4_dot_activation_floats(M, K, G)
                                         : int4_tile_activation_floats(M, K) + int64_t{num_threads} * int4_tile_floats(K);
   float* scratch = static_cast<float*>(malloc(sizeof(float) * scratch_floats));
