@@ -86,6 +86,13 @@ inline void start_tiles(int64_t width) {
 }
 inline void stop_tiles() { _tile_release(); }
 
+inline void zero_accumulators() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
+
 inline int64_t padded_rows(int64_t M) { return (M + kTileRows - 1) / kTileRows * kTileRows; }
 
 // Activation rows per B tile: a step of up to 16 rows fills one tile of exactly its rows (so a decode step
@@ -175,10 +182,7 @@ struct TilesBF16 {
     const auto fetch = [&](int64_t c) {
       if (prefetch) prefetch_rows(reinterpret_cast<const char*>(wb), K * 2, steps, c);
     };
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    zero_accumulators();
     int64_t c = 0;
     for (; c + 4 <= steps; c += 4) {
       fetch(c);
@@ -294,10 +298,7 @@ struct TilesInt8 {
     const auto fetch = [&](int64_t c) {
       if (prefetch) prefetch_rows(reinterpret_cast<const char*>(wb), K, steps, c);
     };
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    zero_accumulators();
     int64_t c = 0;
     for (; c + 2 <= steps; c += 2) {
       fetch(c);
