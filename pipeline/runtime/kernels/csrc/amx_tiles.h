@@ -1,5 +1,5 @@
 // AMX tile formats (Sapphire Rapids and later): a block of 16 weight rows against every activation row of a step
-// in tile multiply-adds, for bf16 and int8 weights. Built into the library only where the CPU has AMX
+// in tile multiply-adds, for bf16, int8 and int4 weights. Built into the library only where the CPU has AMX
 // (build.py's "amx" instruction set); elsewhere tiles_available() is false and the register tiles of
 // gemm_blocks.h run every step.
 //
@@ -12,8 +12,9 @@
 // (quantize_rows_int16) are split into a signed high byte and an unsigned low byte, x = 256 hi + lo, each
 // multiplied in its own tile (dpbssd, dpbsud) into int32 sums that cannot overflow (|w hi| <= 127 * 64 and
 // w lo <= 127 * 255 per product), joined in int64. So an int8 step gives the same bits with tiles or without.
-// bf16 dots multiply the same bf16-rounded activations as the register tiles and sum the products in fp32 in
-// the tile unit's order, so they differ from the register tiles' sums by rounding (~1e-6 relative); a row's
+// bf16 dots (and int4 ones in steps of more than kInt4DirectMaxRows rows, on weights dequantized to bf16)
+// multiply the same bf16-rounded values as the register tiles and sum the products in fp32 in the tile unit's
+// order, so they differ from the register tiles' sums by rounding (~1e-6 relative); a row's
 // result still does not depend on the rows beside it, since each C element sums its own row and column.
 #pragma once
 
@@ -75,7 +76,8 @@ struct alignas(64) TileConfig {
 constexpr int kFirstWeightTile = 4, kFirstActivationTile = 6;
 
 // Each thread loads the configuration before its tile ops and releases the tiles after them: torch's oneDNN
-// kernels configure and release the same registers between our calls. `width`: activation rows per B tile.
+// kernels configure and release the same registers between our calls. `width`: activation rows per B tile
+// (tile_width of the step's rows).
 inline void start_tiles(int64_t width) {
   TileConfig c;
   for (int t = 0; t < 8; ++t) {
@@ -158,8 +160,7 @@ inline void put_tile_row(const Problem& p, int64_t n0, int64_t m, __m512 v, __m5
 struct TilesBF16 {
   static constexpr int kBlockRows = kTileRows;
   const bf16* w;
-  const uint32_t* xp;  // [blocks, K / 2, width]
-  int64_t width;       // tile_width(M)
+  const uint32_t* xp;  // [blocks, K / 2, tile_width(M)]
 
   // Floats of scratch prepare() takes for M rows of K.
   static int64_t scratch_floats(int64_t M, int64_t K) { return (M * K + padded_rows(M) * K) / 2 + 1 + kAlignSlack; }
@@ -169,7 +170,7 @@ struct TilesBF16 {
     uint32_t* packed = line_aligned(rounded + p.M * p.K);
     round_rows_bf16(p.x, p.M, p.K, p.ldx, rounded);
     pack_tile_columns(reinterpret_cast<const uint32_t*>(rounded), p.K / 2, p.M, p.K / 2, packed);
-    return TilesBF16{w, packed, tile_width(p.M)};
+    return TilesBF16{w, packed};
   }
 
   // Activation block mb against the 16 weight rows at wb (row stride K): k-step c into C tile c % 4 (four
@@ -177,7 +178,7 @@ struct TilesBF16 {
   // summed as (C0 + C1) + (C2 + C3) whatever the step's row count.
   void pass(const Problem& p, const bf16* wb, int64_t mb, bool prefetch, float out[kTileRows * kTileRows]) const {
     const int64_t K = p.K, steps = K / kBf16TileK;
-    const int64_t W = width, ldb = 4 * W;
+    const int64_t W = tile_width(p.M), ldb = 4 * W;
     const uint32_t* xb = xp + mb * (K / 2) * W;
     const auto fetch = [&](int64_t c) {
       if (prefetch) prefetch_rows(reinterpret_cast<const char*>(wb), K * 2, steps, c);
@@ -236,10 +237,11 @@ struct TilesBF16 {
   // rows after them (weights read from memory, not a tile dequantized into cache).
   void block_rows(const Problem& p, int64_t n0, const bf16* wb, bool prefetch) const {
     alignas(64) float out[kTileRows * kTileRows];
-    for (int64_t mb = 0; mb * width < p.M; ++mb) {
+    const int64_t W = tile_width(p.M);
+    for (int64_t mb = 0; mb * W < p.M; ++mb) {
       pass(p, wb, mb, prefetch && mb == 0, out);
-      for (int64_t i = 0; i < width && mb * width + i < p.M; ++i)
-        put_tile_row(p, n0, mb * width + i, _mm512_castsi512_ps(tile_column(out, width, i)), _mm512_set1_ps(1.0f));
+      for (int64_t i = 0; i < W && mb * W + i < p.M; ++i)
+        put_tile_row(p, n0, mb * W + i, _mm512_castsi512_ps(tile_column(out, W, i)), _mm512_set1_ps(1.0f));
     }
   }
 };
@@ -250,13 +252,14 @@ struct TilesInt8 {
   static constexpr int kBlockRows = kTileRows;
   const int8_t* w;
   const float* scales;  // [N]
-  const uint32_t* xh;   // [blocks, K / 4, width]
+  const uint32_t* xh;   // [blocks, K / 4, tile_width(M)]
   const uint32_t* xl;
   const float* xs;      // [M]
-  int64_t width;        // tile_width(M)
 
+  // Scratch: the row scales [M] and int16 levels [M, K], their high and low bytes [2, M, K], the packed tiles.
+  static int64_t bytes_offset(int64_t M, int64_t K) { return M + (M * K + 1) / 2; }
   static int64_t scratch_floats(int64_t M, int64_t K) {
-    return M + (M * K + 1) / 2 + (2 * M * K + 3) / 4 + (2 * padded_rows(M) * K + 3) / 4 + kAlignSlack;
+    return bytes_offset(M, K) + (2 * M * K + 3) / 4 + (2 * padded_rows(M) * K + 3) / 4 + kAlignSlack;
   }
 
   // Quantizes p's rows (quantize_rows_int16) into `scratch` and packs their bytes.
@@ -265,13 +268,13 @@ struct TilesInt8 {
     float* xs = scratch;
     auto* xq = reinterpret_cast<int16_t*>(xs + M);
     quantize_rows_int16(p.x, M, K, p.ldx, xq, xs);
-    auto* bytes = reinterpret_cast<uint8_t*>(scratch + M + (M * K + 1) / 2);  // hi [M, K], then lo [M, K]
+    auto* bytes = reinterpret_cast<uint8_t*>(scratch + bytes_offset(M, K));
     split_bytes(xq, M * K, bytes, bytes + M * K);
     uint32_t* xh = line_aligned(bytes + 2 * M * K);
     uint32_t* xl = xh + padded_rows(M) * K / 4;
     pack_tile_columns(reinterpret_cast<const uint32_t*>(bytes), K / 4, M, K / 4, xh);
     pack_tile_columns(reinterpret_cast<const uint32_t*>(bytes + M * K), K / 4, M, K / 4, xl);
-    return TilesInt8{w, scales, xh, xl, xs, tile_width(M)};
+    return TilesInt8{w, scales, xh, xl, xs};
   }
 
   // x = 256 hi + lo: hi = x >> 8 in [-64, 63], lo = x & 255.
@@ -293,7 +296,7 @@ struct TilesInt8 {
   // ones in 1, low-byte sums in 2 and 3 (four independent accumulators, as TilesBF16); joined exactly.
   void pass(const Problem& p, int64_t n0, int64_t mb, bool prefetch, int32_t hi[kTileRows * kTileRows],
             int32_t lo[kTileRows * kTileRows]) const {
-    const int64_t K = p.K, steps = K / kInt8TileK, W = width, ldb = 4 * W, at = mb * (K / 4) * W;
+    const int64_t K = p.K, steps = K / kInt8TileK, W = tile_width(p.M), ldb = 4 * W, at = mb * (K / 4) * W;
     const int8_t* wb = w + n0 * K;
     const auto fetch = [&](int64_t c) {
       if (prefetch) prefetch_rows(reinterpret_cast<const char*>(wb), K, steps, c);
@@ -336,11 +339,12 @@ struct TilesInt8 {
   void whole_block(const Problem& p, int64_t n0) const {
     alignas(64) int32_t hi[kTileRows * kTileRows], lo[kTileRows * kTileRows];
     const __m512 s = _mm512_loadu_ps(scales + n0);
-    for (int64_t mb = 0; mb * width < p.M; ++mb) {
+    const int64_t W = tile_width(p.M);
+    for (int64_t mb = 0; mb * W < p.M; ++mb) {
       pass(p, n0, mb, mb == 0, hi, lo);
-      for (int64_t i = 0; i < width && mb * width + i < p.M; ++i) {
-        const int64_t m = mb * width + i;
-        const __m512i h = tile_column(hi, width, i), l = tile_column(lo, width, i);
+      for (int64_t i = 0; i < W && mb * W + i < p.M; ++i) {
+        const int64_t m = mb * W + i;
+        const __m512i h = tile_column(hi, W, i), l = tile_column(lo, W, i);
         // The exact dot 256 hi + lo in int64, rounded once to fp32 as the register tiles' int64 sums are.
         const auto dot = [](__m256i h8, __m256i l8) {
           return _mm512_cvtepi64_ps(
@@ -366,14 +370,13 @@ struct TilesInt4 {
   bf16* tiles;  // [threads, 16, K]: each thread's tile is tiles + thread * tile_stride
   int64_t tile_stride;
   TilesBF16 activations;  // the packed activation rows (its w unused)
-  int64_t width;          // tile_width(M)
 
   static int64_t tile_floats(int64_t K) { return kTileRows * K / 2 + kAlignSlack; }
 
   static TilesInt4 prepare(const uint8_t* w, const float* scales, const float* zeros, int64_t gs, const Problem& p,
                            float* tiles, int64_t tile_stride, float* scratch) {
     return TilesInt4{w,           scales, zeros, gs, int4_groups(p.K, gs), reinterpret_cast<bf16*>(line_aligned(tiles)),
-                     tile_stride, TilesBF16::prepare(nullptr, p, scratch), tile_width(p.M)};
+                     tile_stride, TilesBF16::prepare(nullptr, p, scratch)};
   }
 
   void whole_block(const Problem& p, int64_t n0) const {

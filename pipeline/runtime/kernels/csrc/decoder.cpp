@@ -220,7 +220,7 @@ void team_gate_up(Team& team, const Fmt& f, const Problem& p, float* act) {
 int64_t num_groups(const LinearRef& l) { return int4_groups(l.K, l.group_size); }
 
 #if defined(LLMP_TILES)
-// Whether a linear runs on AMX tiles: bf16 and int8 weights of whole-tile shapes, steps of enough rows, where
+// Whether a linear runs on AMX tiles: bf16, int8 and int4 weights of whole-tile shapes, steps of enough rows, where
 // the tiles are on.
 bool on_tiles(const LinearRef& l, int64_t M, bool pair) {
   if (l.kind == WeightKind::kBF16)
@@ -280,7 +280,7 @@ void team_linear(Team& team, const LinearRef& l, const float* x, int64_t M, int6
   if (on_tiles(l, M, pair_act != nullptr)) {
     // Like the register tiles: each thread packs its own copy of the activation rows.
     const auto on = [&](const auto& fmt) {
-      start_tiles(fmt.width);
+      start_tiles(tile_width(M));
       go(fmt);
       stop_tiles();
     };

@@ -41,7 +41,7 @@ void run_tiles(const Fmt& f, const Problem& p, int num_threads) {
   const int64_t num_blocks = p.N / Fmt::kBlockRows;
 #pragma omp parallel num_threads(num_threads) if (worth_threads(p, num_threads))
   {
-    start_tiles(f.width);
+    start_tiles(tile_width(p.M));
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < num_blocks; ++b) row_block<Fmt::kBlockRows>(f, p, b);
     stop_tiles();

@@ -228,7 +228,7 @@ bool set_wide_single_row(bool on) {
 #endif
 }
 
-// bf16 and int8 linears of whole-tile shapes on AMX tiles (on) or on the register tiles (off); returns the
+// bf16, int8 and int4 linears of whole-tile shapes on AMX tiles (on) or on the register tiles (off); returns the
 // previous setting. Builds without AMX, or a kernel that refuses the tile state, have only the latter: there it
 // stays off.
 bool set_tiles(bool on) {
