@@ -56,12 +56,12 @@ from pipeline.bench.requests import BenchRequest  # noqa: E402
 from pipeline.bench.workloads import LengthSpec, shipped_prompts, synthetic, tokenize  # noqa: E402
 from pipeline.errors import PipelineError, run_script  # noqa: E402
 
-# precision -> (build config, overrides); int4 has no config file of its own
+# precision -> (build config, overrides)
 BUILDS: dict[str, tuple[str, list[str]]] = {
     "fp32": ("build_configs/smollm2-135m.yaml", []),
     "bf16": ("build_configs/smollm2-135m-bf16.yaml", []),
     "int8": ("build_configs/smollm2-135m-int8.yaml", []),
-    "int4": ("build_configs/smollm2-135m.yaml", ["name=smollm2-135m-int4", "quantization.mode=int4_wo"]),
+    "int4": ("build_configs/smollm2-135m-int4.yaml", []),
 }
 BATCH = 16
 TTFT_PROMPT_TOKENS = 256

@@ -35,7 +35,7 @@ MODES: dict[str, tuple[str, list[str]]] = {
     "bf16": ("build_configs/smollm2-135m-bf16.yaml", []),
     "int8_wo": ("build_configs/smollm2-135m-int8.yaml", []),
     "int8_wo activation-aware": ("build_configs/smollm2-135m-int8-awq.yaml", []),
-    "int4_wo g128": (SMOLLM2, ["name=smollm2-135m-int4", "quantization.mode=int4_wo"]),
+    "int4_wo g128": ("build_configs/smollm2-135m-int4.yaml", []),
     "int4_awq g128": ("build_configs/smollm2-135m-int4-awq.yaml", []),
     "int4_gptq g128": ("build_configs/smollm2-135m-int4-gptq.yaml", []),
     "fp32 + int8 KV cache": ("build_configs/smollm2-135m-int8kv.yaml", []),
