@@ -56,12 +56,12 @@ from pipeline.bench.requests import BenchRequest  # noqa: E402
 from pipeline.bench.workloads import LengthSpec, shipped_prompts, synthetic, tokenize  # noqa: E402
 from pipeline.errors import PipelineError, run_script  # noqa: E402
 
-# precision -> (build config, overrides)
-BUILDS: dict[str, tuple[str, list[str]]] = {
-    "fp32": ("build_configs/smollm2-135m.yaml", []),
-    "bf16": ("build_configs/smollm2-135m-bf16.yaml", []),
-    "int8": ("build_configs/smollm2-135m-int8.yaml", []),
-    "int4": ("build_configs/smollm2-135m-int4.yaml", []),
+# precision -> build config
+BUILDS: dict[str, str] = {
+    "fp32": "build_configs/smollm2-135m.yaml",
+    "bf16": "build_configs/smollm2-135m-bf16.yaml",
+    "int8": "build_configs/smollm2-135m-int8.yaml",
+    "int4": "build_configs/smollm2-135m-int4.yaml",
 }
 BATCH = 16
 TTFT_PROMPT_TOKENS = 256
@@ -230,9 +230,8 @@ def run_ours(
     results: list[RunResult] = []
     keys: dict[str, float] = {}
     for precision in precisions:
-        config, overrides = BUILDS[precision]
         try:
-            build = ensure_built(config, overrides, until="engine")
+            build = ensure_built(BUILDS[precision], until="engine")
             assert build.engine_dir is not None
             weights[precision] = machine.weight_bytes(build.engine_dir)
             engine = InProcessTarget.from_engine_dir(
@@ -253,15 +252,13 @@ def run_ours(
                 results += _log_probs_runs(build.engine_dir, eos_id, precision, wl, not args.no_progress)
             except Exception as err:  # noqa: BLE001 - keep the other rows
                 _problem(problems, f"llmpipe {precision} in-process with log-probs", err)
-            results += _served(args, precision, config, overrides, wl, problems)
+            results += _served(args, precision, wl, problems)
     return results, keys
 
 
 def _served(
     args: argparse.Namespace,
     precision: str,
-    config: str,
-    overrides: list[str],
     wl: dict[str, list[BenchRequest]],
     problems: list[str],
 ) -> list[RunResult]:
@@ -269,7 +266,7 @@ def _served(
 
     results: list[RunResult] = []
     try:
-        build = ensure_built(config, overrides, until="package")
+        build = ensure_built(BUILDS[precision], until="package")
         with _serve(build) as server:
             client = triton_target(f"grpc://{server.grpc_url}", name=f"llmpipe-{precision}-triton")
             try:
@@ -312,9 +309,8 @@ def run_sweep(args: argparse.Namespace, tokenizer: Any) -> tuple[list[RunResult]
         suite.parse_int_list(args.sweep_prompt_tokens, "--sweep-prompt-tokens"),
         max_wave_tokens=args.sweep_max_tokens,
     )
-    config, overrides = BUILDS["fp32"]
     results = sweep.run_built(
-        config, overrides, points, args.sweep_output_tokens, tokenizer, args.seed, not args.no_progress
+        BUILDS["fp32"], [], points, args.sweep_output_tokens, tokenizer, args.seed, not args.no_progress
     )
     return results, left_out
 
@@ -390,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
     # first, while nothing else of ours is loaded
     facts = machine.measure(args.threads or os.cpu_count() or 1)
-    base = ensure_built(*BUILDS["fp32"], until="fetch")  # the tokenizer and the peers' checkpoint
+    base = ensure_built(BUILDS["fp32"], until="fetch")  # the tokenizer and the peers' checkpoint
     from transformers import AutoTokenizer
 
     from pipeline.stages.fetch import gguf_file

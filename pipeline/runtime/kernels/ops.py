@@ -227,8 +227,8 @@ def set_wide_single_row(on: bool) -> bool:
 def set_tiles(on: bool) -> bool:
     """Whether bf16, int8 and int4 linears of whole-tile shapes (16-row blocks, K a multiple of 32 / 64) run on
     AMX tiles (builds for AMX CPUs, where Linux grants the tile state) or on the vector register tiles. int8
-    gives the same bits either way; bf16 and many-row int4 sum their products in another order. Process-wide; returns the previous
-    setting (always False where there are no tiles)."""
+    gives the same bits either way; bf16 and many-row int4 sum their products in another order. Process-wide;
+    returns the previous setting (always False where there are no tiles)."""
     return bool(_op("set_tiles")(on))
 
 
