@@ -22,6 +22,7 @@ from pipeline.config.vocab import (
     BACKEND_QUANT_MODES,
     INT4_GROUP_SIZES,
     QUANT_ALGO,
+    TORCH_QUANT_ALGO,
     TRTLLM_PYTORCH_REFUSALS,
     TRTLLM_PYTORCH_SPECULATIVE_MODES,
     TUNED_INT4_MODES,
@@ -145,6 +146,15 @@ class QuantizationSection(_Strict):
         "calibration set (AWQ-style) before rounding; same W8A16 format and kernels. int4_awq and int4_gptq "
         "always do.",
     )
+    smoothquant_alpha: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="int8_sq on the torch backend: SmoothQuant's migration strength (TensorRT-LLM's --smoothquant "
+        "value). Each input channel c of a linear layer is divided by s_c = max|x_c|^alpha / max|W_c|^(1 - alpha), "
+        "measured on the calibration set, and its weight column multiplied by s_c (folded into the norm or layer "
+        "before), moving activation outliers into the weights before both are rounded to int8.",
+    )
     calibration: CalibrationSection = Field(
         default_factory=CalibrationSection, description="Calibration data."
     )
@@ -155,6 +165,10 @@ class QuantizationSection(_Strict):
     @property
     def quant_algo(self) -> str | None:
         return QUANT_ALGO[self.mode]
+
+    def quant_algo_for(self, backend: str) -> str | None:
+        """The quant_algo `backend`'s checkpoint records for this mode (the torch backend's int8_sq differs)."""
+        return (TORCH_QUANT_ALGO if backend == "torch" else QUANT_ALGO)[self.mode]
 
     @property
     def kv_cache_quant_algo(self) -> str | None:
@@ -586,6 +600,16 @@ def _check_backend_support(cfg: BuildConfig) -> None:
         raise ValueError(
             f"quantization.activation_aware=true applies to mode=int8_wo on backend=torch, not mode={q.mode} on "
             f"backend={cfg.backend} (for activation-aware int4 use mode=int4_awq or int4_gptq)"
+        )
+    if "smoothquant_alpha" in q.model_fields_set and (cfg.backend, q.mode) != ("torch", "int8_sq"):
+        raise ValueError(
+            f"quantization.smoothquant_alpha={q.smoothquant_alpha} applies to mode=int8_sq on backend=torch, not "
+            f"mode={q.mode} on backend={cfg.backend}; remove it"
+        )
+    if q.quantize_lm_head and (cfg.backend, q.mode) == ("torch", "int8_sq"):
+        raise ValueError(
+            "quantization.quantize_lm_head=true with mode=int8_sq on backend=torch: this mode quantizes the decoder "
+            "layers only, the lm_head stays in the config's dtype; set it to false"
         )
     if q.mode in ("int4_wo", "int4_awq", "int4_gptq", "w4a8_awq") and q.group_size not in INT4_GROUP_SIZES:
         raise ValueError(

@@ -20,7 +20,7 @@ QuantMode = Literal[
 # TensorRT-LLM 1.1.0's PyTorch backend loads from a ModelOpt checkpoint (its quantization support matrix,
 # NVIDIA/TensorRT-LLM:1.1.0/features/quantization.html@8660c119, gh-pages).
 BACKEND_QUANT_MODES: dict[str, tuple[str, ...]] = {
-    "torch": ("none", "int8_wo", "int4_wo", "int4_awq", "int4_gptq"),
+    "torch": ("none", "int8_wo", "int8_sq", "int4_wo", "int4_awq", "int4_gptq"),
     "trtllm": ("none", "int8_wo", "int4_wo", "int4_awq", "w4a8_awq", "int8_sq", "fp8", "fp8_pc_pt", "nvfp4"),
     "trtllm_pytorch": ("none", "int4_awq", "w4a8_awq", "fp8", "nvfp4"),
 }
@@ -73,6 +73,10 @@ QUANT_ALGO: dict[str, str | None] = {
     "fp8_pc_pt": "FP8_PER_CHANNEL_PER_TOKEN",
     "nvfp4": "NVFP4",
 }
+# Where the torch backend's format differs from the engine route's for the same mode: its int8_sq quantizes the
+# activations per token at run time (no calibrated activation scale), which TensorRT-LLM names
+# W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN (tensorrt_llm/quantization/mode.py); ModelOpt's int8_sq export is per tensor.
+TORCH_QUANT_ALGO: dict[str, str | None] = {**QUANT_ALGO, "int8_sq": "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN"}
 
 # TensorRT-LLM's batch_scheduler_policy values. guaranteed_no_evict admits a request only if its whole
 # sequence's KV blocks can be reserved (never preempts); max_utilization admits when the prompt fits and

@@ -52,16 +52,18 @@ class WeightFormat:
 
 
 class InputStats:
-    """Running statistics of a linear layer's inputs over calibration tokens: E[|x|] and E[x x^T]."""
+    """Running statistics of a linear layer's inputs over calibration tokens: E[|x|], max |x| and E[x x^T]."""
 
     def __init__(self, in_features: int) -> None:
         self.abs_sum = torch.zeros(in_features, dtype=torch.float64)
+        self.abs_max = torch.zeros(in_features)
         self.gram = torch.zeros(in_features, in_features)
         self.tokens = 0
 
     def add(self, x: torch.Tensor) -> None:
         x = x.detach().reshape(-1, self.gram.shape[0]).to(torch.float32)
         self.abs_sum += x.abs().sum(0, dtype=torch.float64)
+        torch.maximum(self.abs_max, x.abs().amax(0), out=self.abs_max)
         self.gram.addmm_(x.T, x)
         self.tokens += x.shape[0]
 

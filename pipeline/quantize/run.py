@@ -1,5 +1,6 @@
-"""quantize (torch backend): weight-only int8 (W8A16, per output channel), int4 (W4A16, group-wise with
-zero points), activation-aware int4 (W4A16_AWQ: calibrated input scales folded into the preceding
+"""quantize (torch backend): weight-only int8 (W8A16, per output channel), SmoothQuant W8A8 (int8_sq: the same
+int8 weights after calibrated smoothing, quantize/smoothquant.py, and int8 activations per token at run time),
+int4 (W4A16, group-wise with zero points), activation-aware int4 (W4A16_AWQ: calibrated input scales folded into the preceding
 weights, then the same int4 format; int8 too with quantization.activation_aware) or GPTQ int4 (W4A16_GPTQ:
 the same format, levels chosen by error-feedback rounding on calibration inputs) applied to a converted
 checkpoint; any int4 mode can then have its grids tuned end to end (quantization.tune,
@@ -27,7 +28,13 @@ from pipeline.runtime.model.weight_names import LAYER_LINEARS
 from pipeline.runtime.quant.linear import QuantLinear, Scheme
 
 # quantization.mode -> the QuantLinear scheme.
-SCHEMES: dict[str, Scheme] = {"int8_wo": "int8", "int4_wo": "int4", "int4_awq": "int4", "int4_gptq": "int4"}
+SCHEMES: dict[str, Scheme] = {
+    "int8_wo": "int8",
+    "int8_sq": "w8a8",
+    "int4_wo": "int4",
+    "int4_awq": "int4",
+    "int4_gptq": "int4",
+}
 # Modes whose scales are always searched on calibration data first (quantize/awq.py); int8_wo does
 # when quantization.activation_aware is set. int4_gptq rounds better after the search (quantize/gptq.py).
 ACTIVATION_AWARE = ("int4_awq", "int4_gptq")
@@ -72,6 +79,8 @@ def quantize(cfg: BuildConfig, ckpt_dir: Path, out_dir: Path, hf_dir: Path | Non
         packed, calibrated_facts["gptq"] = _gptq(cfg, tensors, pretrained, hf_dir, group_size)
     elif _is_activation_aware(q):
         calibrated_facts["awq"] = _activation_aware(cfg, tensors, pretrained, hf_dir, group_size)
+    elif q.mode == "int8_sq":
+        calibrated_facts["smoothquant"] = _smoothquant(cfg, tensors, pretrained, hf_dir)
     for prefix in prefixes:
         weight = tensors.pop(f"{prefix}.weight")
         bias = tensors.pop(f"{prefix}.bias", None)
@@ -97,7 +106,7 @@ def quantize(cfg: BuildConfig, ckpt_dir: Path, out_dir: Path, hf_dir: Path | Non
     save_file(tensors, str(out_dir / WEIGHTS_FILE))
     pretrained["quantization"] = {
         **pretrained.get("quantization", {}),
-        "quant_algo": q.quant_algo,
+        "quant_algo": q.quant_algo_for("torch"),
         "kv_cache_quant_algo": q.kv_cache_quant_algo,
         "group_size": q.group_size,
         "has_zero_point": scheme == "int4",
@@ -108,7 +117,7 @@ def quantize(cfg: BuildConfig, ckpt_dir: Path, out_dir: Path, hf_dir: Path | Non
     if (ckpt_dir / TOKENIZER_DIR).is_dir():
         shutil.copytree(ckpt_dir / TOKENIZER_DIR, out_dir / TOKENIZER_DIR)
     return {
-        "quant_algo": q.quant_algo,
+        "quant_algo": q.quant_algo_for("torch"),
         "group_size": group_size,
         "quantized_layers": len(prefixes),
         "weights_bytes_before": dense_bytes,
@@ -125,7 +134,7 @@ def data_files(cfg: BuildConfig) -> dict[str, Path]:
 
     q = cfg.quantization
     files: dict[str, Path] = {}
-    if _is_activation_aware(q) or q.tune.enabled:
+    if is_calibrated(q):
         files |= dataset_data_files("calibration", q.calibration.dataset)
     if q.tune.enabled and q.tune.dataset is not None:
         files |= dataset_data_files("tuning_text", q.tune.dataset, TUNING_TEXT_FIELD)
@@ -133,8 +142,9 @@ def data_files(cfg: BuildConfig) -> dict[str, Path]:
 
 
 def is_calibrated(q: QuantizationSection) -> bool:
-    """Whether `q` runs the model on calibration data (activation-aware scales, GPTQ or grid tuning)."""
-    return _is_activation_aware(q) or q.tune.enabled
+    """Whether `q` runs the model on calibration data (activation-aware or smoothing scales, GPTQ or grid
+    tuning)."""
+    return _is_activation_aware(q) or q.mode == "int8_sq" or q.tune.enabled
 
 
 def _is_activation_aware(q: QuantizationSection) -> bool:
@@ -158,6 +168,19 @@ def _activation_aware(
     tokens, block_stats = layer_input_stats(_calibration_model(cfg, hf_dir), calibration)
     fmt = WeightFormat(SCHEMES[cfg.quantization.mode], group_size)
     facts = apply_activation_aware_scales(tensors, pretrained, block_stats, fmt)
+    return {"calibration": {**calibration.model_dump(), "tokens": tokens}, **facts}
+
+
+def _smoothquant(
+    cfg: BuildConfig, tensors: dict[str, torch.Tensor], pretrained: dict[str, Any], hf_dir: Path | None
+) -> dict[str, Any]:
+    """Measure and fold SmoothQuant's scales of every block's linear layers into `tensors` (in place)."""
+    from pipeline.quantize.calibration import layer_input_stats
+    from pipeline.quantize.smoothquant import apply_smoothquant
+
+    calibration = cfg.quantization.calibration
+    tokens, block_stats = layer_input_stats(_calibration_model(cfg, hf_dir), calibration)
+    facts = apply_smoothquant(tensors, pretrained, block_stats, cfg.quantization.smoothquant_alpha)
     return {"calibration": {**calibration.model_dump(), "tokens": tokens}, **facts}
 
 

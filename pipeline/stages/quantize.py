@@ -20,7 +20,7 @@ def produce(cfg: BuildConfig, inputs: dict[str, StageInput], out: Path) -> dict[
     quantize = backend_step(cfg.backend, "quantize")
     assert quantize is not None
     facts = dict(quantize(cfg, inputs["convert"].dir, out, hf_dir=checkpoint_dir(inputs["fetch"])))
-    facts.setdefault("quant_algo", q.quant_algo)
+    facts.setdefault("quant_algo", q.quant_algo_for(cfg.backend))
     facts.setdefault("kv_cache_quant_algo", q.kv_cache_quant_algo)
     return facts
 
@@ -30,7 +30,7 @@ def describe(cfg: BuildConfig, out: Path) -> list[str]:
     if q.mode == "none" and q.kv_cache_dtype == "auto":
         return [f"no quantization: hardlink the checkpoint into {out}"]
     return [
-        f"{cfg.backend}: quantize {q.mode} (quant_algo {q.quant_algo}, group {q.group_size}, "
+        f"{cfg.backend}: quantize {q.mode} (quant_algo {q.quant_algo_for(cfg.backend)}, group {q.group_size}, "
         f"kv {q.kv_cache_dtype}) -> {out}"
     ]
 

@@ -90,3 +90,65 @@ def test_unsupported_torch_mode_is_a_config_error(tmp_path: Path) -> None:
         result.exit_code == 1
         and "quantization.mode=w4a8_awq is not available on backend=torch" in result.output
     )
+
+
+def test_int8_sq_engine_smooths_then_runs_w8a8(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    """SmoothQuant through the real CLI: calibrated on the shipped set, the scales folded (norm weights
+    changed), int8 weights per row of the smoothed layers, and an engine whose layers round their activations
+    to int8 per token, predicting what the float model predicts on most positions."""
+    work = _build(tmp_path, tiny_llama_dir, "int8_sq")
+    config = json.loads((work / "engine" / "config.json").read_text())
+    assert config["pretrained_config"]["quantization"]["quant_algo"] == "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN"
+    facts = json.loads((work / "quantized" / "manifest.json").read_text())["facts"]["smoothquant"]
+    assert facts["alpha"] == 0.5 and facts["calibration"]["tokens"] > 0
+    for name in LINEARS:
+        assert facts["activation_peak_to_mean_after"][name] < facts["activation_peak_to_mean_before"][name]
+    packed = load_file(str(work / "engine" / "rank0.safetensors"))
+    dense = load_file(str(work / "checkpoint" / "rank0.safetensors"))
+    norm = "transformer.layers.0.input_layernorm.weight"
+    assert not torch.allclose(packed[norm], dense[norm])  # the qkv scales were folded into it
+    assert packed["transformer.layers.0.attention.qkv.qweight"].dtype == torch.int8
+
+    fp32 = _build(tmp_path, tiny_llama_dir, "none")
+    tokens = torch.randint(3, 1000, (96,), generator=torch.Generator().manual_seed(0)).tolist()
+    logits = []
+    for engine_dir in (fp32 / "engine", work / "engine"):
+        runner = LLMEngine.from_engine_dir(engine_dir).runner
+        quantized = [
+            lin
+            for layer in runner.model.weights.layers
+            for lin in (layer.qkv, layer.dense, layer.gate_up, layer.proj)
+            if isinstance(lin, QuantLinear)
+        ]
+        assert [lin.scheme for lin in quantized] == (["w8a8"] * 8 if engine_dir == work / "engine" else [])
+        logits.append(runner.score(tokens, list(range(-(-len(tokens) // runner.tokens_per_block)))))
+    agreement = (logits[0].argmax(-1) == logits[1].argmax(-1)).float().mean().item()
+    assert agreement >= 0.8, agreement  # measured 0.92
+
+
+@pytest.mark.slow
+def test_smollm2_int8_sq_passes_validate(smollm2_hf_dir: Path, tmp_path: Path) -> None:
+    """The real model through `llmpipe build` and `llmpipe validate` with int8_sq's default gates."""
+    config = tmp_path / "smollm2-int8-sq.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "name": "smollm2-int8-sq",
+                "source": {"kind": "local", "path": str(smollm2_hf_dir)},
+                "workdir": str(tmp_path / "build"),
+                "engine": {
+                    "max_batch_size": 16,
+                    "max_input_len": 512,
+                    "max_seq_len": 1024,
+                    "max_num_tokens": 512,
+                },
+                "kv_cache": {"tokens_per_block": 32, "max_tokens": 16384},
+                "quantization": {"mode": "int8_sq"},
+            }
+        )
+    )
+    for command in (["build", str(config), "--until", "engine"], ["validate", str(config)]):
+        result = CliRunner().invoke(cli, command)
+        assert result.exit_code == 0, result.stdout + result.stderr
+    report = json.loads((tmp_path / "build" / "validation" / "validation.json").read_text())
+    assert report["passed"] and report["quantization"]["mode"] == "int8_sq"

@@ -41,6 +41,7 @@ FORMATS = [
     ("fp32", None, None),
     ("bf16", "bf16", None),
     ("int8", "int8", None),
+    ("w8a8", "w8a8", None),
     ("int4-g32", "int4", 32),
     ("int4-g64", "int4", 64),
 ]
@@ -51,6 +52,9 @@ BF16_TOLERANCE = 2e-3
 # fp32 value differs in the last bit may land one level apart (measured: up to 1e-4 of the outputs' largest
 # value after 3 layers), as does leaving the rounding out of the reference.
 INT8_TOLERANCE = 5e-4
+# w8a8 layers round to int8 levels (1 / 127 of the row's largest value): one level apart moves an output by up
+# to ~1 % of the largest.
+W8A8_TOLERANCE = 2e-2
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 # name: (activation, which norms a layer has: [attention output, post-attention (pre-MLP), MLP output, next]).
 LAYOUTS = {
@@ -109,9 +113,11 @@ def check_layer(
     norms = [torch.rand(hidden_size, generator=gen) + 0.5 if has else None for has in has_norm]
     qkv_bias = layers[3][0].bias
     assert qkv_bias is not None
-    rounding = {"bf16": lambda t: t.bfloat16().float(), "int8": primitives.round_activations_int16}.get(
-        scheme
-    )
+    rounding = {
+        "bf16": lambda t: t.bfloat16().float(),
+        "int8": primitives.round_activations_int16,
+        "w8a8": primitives.round_activations_int8,
+    }.get(scheme)
     exact = [d for _, d in layers]
     deq = exact
     if scheme == "int4":  # as primitives.int4_operands says: int16 levels, or bf16 products for many rows
@@ -128,6 +134,7 @@ def check_layer(
         tolerance = {
             primitives.round_bf16: BF16_TOLERANCE,
             primitives.round_activations_int16: INT8_TOLERANCE,
+            primitives.round_activations_int8: W8A8_TOLERANCE,
         }
         tolerance = tolerance.get(rounding, BF16_TOLERANCE if scheme == "bf16" else 1e-5)
         assert (got - want).abs().max() <= tolerance * want.abs().max(), name
@@ -158,10 +165,10 @@ def test_other_layouts_match_op_by_op(
 
 @pytest.mark.skipif(not kernels.tiles_available(), reason="no AMX tiles here")
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
-@pytest.mark.parametrize("scheme", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("scheme", ["bf16", "int8", "w8a8", "int4"])
 def test_layers_on_amx_tiles(scheme: str, threads: int) -> None:
-    """SmolLM2-shaped bf16, int8 and int4 layers of many rows run on AMX tiles: int8 with the register tiles'
-    bits, bf16 and int4 (bf16 products in steps of more than 4 rows) with their values up to the order of the
+    """SmolLM2-shaped bf16, int8, w8a8 and int4 layers of many rows run on AMX tiles: int8 and w8a8 with the
+    register tiles' bits, bf16 and int4 (bf16 products in steps of more than 4 rows) with their values up to the order of the
     fp32 sums; and a row's result does not depend on how many rows share its step, from the fewest each format
     takes to the tiles to 40 (several B tiles)."""
     shapes = [(576, 576), (2 * 1536, 576), (576, 1536), (960, 576)]
@@ -180,11 +187,11 @@ def test_layers_on_amx_tiles(scheme: str, threads: int) -> None:
         finally:
             kernels.set_tiles(before)
 
-    first = {"bf16": 2, "int8": 12, "int4": 5}[scheme]  # the fewest rows each format takes to the tiles
+    first = {"bf16": 2, "int8": 12, "w8a8": 12, "int4": 5}[scheme]  # the fewest rows each takes to the tiles
     for rows in (16, 40):
         tiled, vector = step(rows, True), step(rows, False)
         for got, want in zip(tiled, vector, strict=True):
-            if scheme == "int8":
+            if scheme in ("int8", "w8a8"):
                 assert torch.equal(got, want)
             else:  # sums of the same products in another order, then rounded to bf16 for the next linear
                 assert (got - want).abs().max() <= BF16_TOLERANCE * want.abs().max()
@@ -312,16 +319,21 @@ def test_moe_layer_matches_moe_forward(
             normalize,
         )
 
-    want_hidden = hidden + rms_norm(attn @ dense_w.T, attention_output_norm)
-    moe_out = moe_forward(rms_norm(want_hidden, post_norm), moe_fp32)
+    # w8a8's int8 activation levels (~1 % steps, grown ~7x by the output norms of "post") are held to the
+    # reference's: its inputs rounded the same way, its experts the op-by-op QuantLinear layers.
+    rounded = primitives.round_activations_int8 if scheme == "w8a8" else (lambda t: t)
+    want_hidden = hidden + rms_norm(rounded(attn) @ dense_w.T, attention_output_norm)
+    moe_out = moe_forward(rms_norm(want_hidden, post_norm), moe if scheme == "w8a8" else moe_fp32)
     want_hidden = want_hidden + rms_norm(moe_out, mlp_output_norm)
-    want_qkv = rms_norm(want_hidden, next_norm) @ qkv_w.T + qkv.bias
+    want_qkv = rounded(rms_norm(want_hidden, next_norm)) @ qkv_w.T + qkv.bias
 
     plan = FusedDecoder.plan([FusedDecoder.layer_args([dense, None, None, qkv], norms, moe)], EPS)
     out = plan.run(0, hidden, attn)
     # int8: the reference multiplies unrounded activations, the kernel int16 levels (~1e-4 of each output,
     # up to 7e-4 after the output norms of "post"; the layer test holds the rounding itself to the reference's).
-    tolerance = {"bf16": 1e-2, "int8": 2e-3, "int4": 1e-2 if bf16_products else 2e-3}.get(scheme or "", 1e-5)
+    tolerance = {"bf16": 1e-2, "int8": 2e-3, "w8a8": 2e-3, "int4": 1e-2 if bf16_products else 2e-3}.get(
+        scheme or "", 1e-5
+    )
     for got, want in ((hidden, want_hidden), (out, want_qkv)):
         assert got.shape == want.shape
         assert (got - want).abs().max() <= tolerance * want.abs().max(), name
@@ -421,8 +433,11 @@ def assert_steps_match(fused: list[torch.Tensor], plain: list[torch.Tensor], sch
             assert (fused_step - plain_step).abs().max() <= 2e-2 * plain_step.abs().max()
         else:  # int8 / int4 decode: both round to int16 levels; an input differing in
             # its last bit may land a level apart, and over 3 layers (gemma's and olmo2's norms after each
-            # sublayer) that grew to 1.2e-3 at 1.5 on a Xeon whose torch GEMMs round differently
-            tolerance = 4 * INT8_TOLERANCE if scheme in ("int8", "int4") else 1e-5
+            # sublayer) that grew to 1.2e-3 at 1.5 on a Xeon whose torch GEMMs round differently; w8a8 the same
+            # at int8 levels
+            tolerance = {"int8": 4 * INT8_TOLERANCE, "int4": 4 * INT8_TOLERANCE, "w8a8": W8A8_TOLERANCE}.get(
+                scheme or "", 1e-5
+            )
             assert torch.allclose(fused_step, plain_step, atol=tolerance, rtol=tolerance)
 
 
@@ -434,7 +449,9 @@ MODEL_CONFIG = {
 
 
 @pytest.mark.parametrize("layout", list(MODEL_LAYOUTS))
-@pytest.mark.parametrize(("scheme", "group"), [(None, None), ("bf16", None), ("int8", None), ("int4", 32)])
+@pytest.mark.parametrize(
+    ("scheme", "group"), [(None, None), ("bf16", None), ("int8", None), ("w8a8", None), ("int4", 32)]
+)
 def test_model_step_equals_op_by_op_path(layout: str, scheme: str | None, group: int | None) -> None:
     """A prefill and then decode steps of 3 sequences: fused and op-by-op forwards give the same hidden states
     (bf16: to bf16 rounding, as the op-by-op GEMMs may round their outputs to bf16 too)."""

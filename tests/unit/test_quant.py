@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -106,22 +107,45 @@ def test_kernels_build_on_x86_linux_with_a_compiler() -> None:
 
 
 @needs_kernels
+@pytest.mark.parametrize("int8_activations", [False, True], ids=["w8a16", "w8a8"])
 @pytest.mark.parametrize("rows", [1, 3, 17])
 @pytest.mark.parametrize(("out_f", "in_f"), [(5, 7), (37, 131), (130, 576)])
-def test_int8_kernel_matches_dequantize_matmul(rows: int, out_f: int, in_f: int) -> None:
+def test_int8_kernel_matches_dequantize_matmul(
+    rows: int, out_f: int, in_f: int, int8_activations: bool
+) -> None:
     qweight, scales = primitives.quantize_int8_per_channel(random_weight(out_f, in_f))
     x = torch.randn(rows, in_f)
     bias = torch.randn(out_f)
-    ref = F.linear(primitives.round_activations_int16(x), primitives.dequantize_int8(qweight, scales), bias)
-    assert_close_rel(kernels.gemm_int8(x, qweight, scales, bias), ref)
+    rounded = (primitives.round_activations_int8 if int8_activations else primitives.round_activations_int16)(
+        x
+    )
+    ref = F.linear(rounded, primitives.dequantize_int8(qweight, scales), bias)
+    assert_close_rel(kernels.gemm_int8(x, qweight, scales, bias, int8_activations), ref)
+    if int8_activations:  # int8 levels are 128x coarser: the int16 rounding's result is measurably elsewhere
+        other = F.linear(
+            primitives.round_activations_int16(x), primitives.dequantize_int8(qweight, scales), bias
+        )
+        assert not torch.allclose(
+            kernels.gemm_int8(x, qweight, scales, bias, True), other, rtol=1e-4, atol=1e-4
+        )
 
 
-def test_int8_activations_round_to_each_rows_int16_grid() -> None:
+@pytest.mark.parametrize(
+    ("round_rows", "qmax"),
+    [
+        (primitives.round_activations_int16, primitives.ACT_QMAX),
+        (primitives.round_activations_int8, primitives.W8A8_ACT_QMAX),
+    ],
+    ids=["int16", "int8"],
+)
+def test_activations_round_to_each_rows_grid(
+    round_rows: Callable[[torch.Tensor], torch.Tensor], qmax: int
+) -> None:
     x = torch.tensor([[0.5, -2.0, 1e-6, 0.0], [0.0, 0.0, 0.0, 0.0], [3.0, 1.5, -0.75, 1e-3]])
-    rounded = primitives.round_activations_int16(x)
-    scale = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-30) / primitives.ACT_QMAX
+    rounded = round_rows(x)
+    scale = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-30) / qmax
     levels = rounded[[0, 2]] / scale[[0, 2]]
-    assert torch.equal(levels, levels.round()) and levels.abs().max() == primitives.ACT_QMAX
+    assert torch.equal(levels, levels.round()) and levels.abs().max() == qmax
     assert torch.equal(rounded[1], x[1])  # an all-zero row stays zero
     assert rounded[0, 2] == 0.0  # below half a step
     assert ((rounded - x).abs() <= scale / 2 * (1 + 1e-6)).all()
@@ -223,18 +247,20 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(in_f: int) -> None:
 @pytest.mark.skipif(
     not (kernels.kernels_available() and kernels.tiles_available()), reason="no AMX tiles here"
 )
+@pytest.mark.parametrize("int8_activations", [False, True], ids=["w8a16", "w8a8"])
 @pytest.mark.parametrize("rows", [1, 7, 8, 9, 12, 16, 17, 40])
-def test_int8_on_amx_tiles_gives_the_register_tiles_bits(rows: int) -> None:
-    # The tiles split each int16 activation level into a signed high and an unsigned low byte and sum exactly,
-    # so every row count (the tiles take steps of 8+ rows, one B tile of exactly the rows up to 16) gives the
-    # bits of the vector path. 96 x 576: whole 16-row blocks and 64-wide k-steps, as the tiles need.
+def test_int8_on_amx_tiles_gives_the_register_tiles_bits(rows: int, int8_activations: bool) -> None:
+    # The tiles split each int16 activation level into a signed high and an unsigned low byte (w8a8: take the
+    # int8 level as it is) and sum exactly, so every row count (the tiles take steps of 8+ rows, one B tile of
+    # exactly the rows up to 16) gives the bits of the vector path. 96 x 576: whole 16-row blocks and 64-wide
+    # k-steps, as the tiles need.
     qweight, scales = primitives.quantize_int8_per_channel(random_weight(96, 576))
     x, bias = torch.randn(rows, 576) * 3, torch.randn(96)
     before = kernels.set_tiles(False)
     try:
-        want = kernels.gemm_int8(x, qweight, scales, bias)
+        want = kernels.gemm_int8(x, qweight, scales, bias, int8_activations)
         kernels.set_tiles(True)
-        assert torch.equal(kernels.gemm_int8(x, qweight, scales, bias), want)
+        assert torch.equal(kernels.gemm_int8(x, qweight, scales, bias, int8_activations), want)
     finally:
         kernels.set_tiles(before)
 
@@ -326,15 +352,18 @@ def test_prefill_chunks_take_the_kernels_where_they_are_built_wide(monkeypatch: 
         build.has_wide_vectors.cache_clear()
 
 
-@pytest.mark.parametrize(("scheme", "group_size"), [("int8", None), ("int4", 64)])
+@pytest.mark.parametrize(("scheme", "group_size"), [("int8", None), ("w8a8", None), ("int4", 64)])
 def test_quant_linear_both_paths_match_reference(scheme: str, group_size: int | None) -> None:
     w, bias = random_weight(48, 192), torch.randn(48)
     layer = QuantLinear.from_float(w, bias, scheme, group_size)  # type: ignore[arg-type]
 
     def ref(x: torch.Tensor) -> torch.Tensor:
-        if scheme == "int8":
+        if scheme in ("int8", "w8a8"):
             w = primitives.dequantize_int8(layer.qweight, layer.scales)
-            return F.linear(primitives.round_activations_int16(x), w, bias)
+            rounding = (
+                primitives.round_activations_int8 if scheme == "w8a8" else primitives.round_activations_int16
+            )
+            return F.linear(rounding(x), w, bias)
         assert layer.zeros is not None
         return int4_reference(x, layer.qweight, layer.scales, layer.zeros, 64, bias)
 
@@ -346,7 +375,7 @@ def test_quant_linear_both_paths_match_reference(scheme: str, group_size: int | 
     assert_close_rel(layer(x3), ref(x3.reshape(6, 192)).view(2, 3, 48))
 
 
-@pytest.mark.parametrize(("scheme", "group_size"), [("int8", None), ("int4", 32)])
+@pytest.mark.parametrize(("scheme", "group_size"), [("int8", None), ("w8a8", None), ("int4", 32)])
 def test_quant_linear_packed_round_trip(scheme: str, group_size: int | None) -> None:
     layer = QuantLinear.from_float(random_weight(24, 64), torch.randn(24), scheme, group_size)  # type: ignore[arg-type]
     tensors = layer.state_tensors()

@@ -111,7 +111,7 @@ def _check_matches_config(cfg: BuildConfig, pretrained: dict[str, Any], ckpt_dir
     stored = pretrained.get("quantization") or {}
     q = cfg.quantization
     for field, setting, wanted in (
-        ("quant_algo", f"quantization.mode={q.mode}", q.quant_algo),
+        ("quant_algo", f"quantization.mode={q.mode}", q.quant_algo_for("torch")),
         ("kv_cache_quant_algo", f"quantization.kv_cache_dtype={q.kv_cache_dtype}", q.kv_cache_quant_algo),
     ):
         if stored.get(field) != wanted:

@@ -74,10 +74,15 @@ def gemm_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
 
 
 def gemm_int8(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    int8_activations: bool = False,
 ) -> torch.Tensor:
-    """x [M, K] @ (qweight int8 [N, K] * scales [N, 1]).T (+ bias) -> [M, N]."""
-    return _op("gemm_int8")(x, qweight, scales, bias)
+    """x [M, K] @ (qweight int8 [N, K] * scales [N, 1]).T (+ bias) -> [M, N], x's rows rounded to int16 levels,
+    or to int8 ones with `int8_activations` (W8A8)."""
+    return _op("gemm_int8")(x, qweight, scales, bias, int8_activations)
 
 
 def gemm_int4(
@@ -113,6 +118,8 @@ def decoder_plan(
     moe_linears: list[torch.Tensor | None] | None = None,
     moe_group_sizes: list[int] | None = None,
     moe_shapes: list[int] | None = None,
+    *,
+    int8_activations: bool = False,
 ) -> Any:
     """A `torch.classes.llmpipe_quant.DecoderPlan`: validated decoder-layer steps whose `run(i, hidden, attn)`
     computes entry i's dense part in one call, updating the residual stream hidden [M, H] in place.
@@ -135,7 +142,7 @@ def decoder_plan(
     router [E, H] without scales or bias, then every expert's gate_up and down) and group sizes from
     `moe_group_sizes`. It computes pipeline.runtime.model.moe.moe_forward(x): router softmax in fp32, the top_k
     experts (renormalized when `normalize`), their SwiGLU outputs times the weights summed in ascending expert
-    order.
+    order. `int8_activations`: every int8 linear is W8A8 (rows rounded to int8 levels, as gemm_int8's).
     """
     _op("gemm_f32")  # builds and loads the library, or raises why not
     count = len(norms) // 4
@@ -145,6 +152,7 @@ def decoder_plan(
         group_sizes,
         eps,
         activation,
+        int8_activations,
         moe_linears or [],
         moe_group_sizes or [],
         moe_shapes if moe_shapes is not None else [0] * (3 * count),

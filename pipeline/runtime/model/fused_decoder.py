@@ -35,12 +35,14 @@ class MoEArgs(NamedTuple):
 
 
 class KernelArgs(NamedTuple):
-    """The plan's per-entry lists: 16 linear tensors, 4 norms, 4 group sizes; a sparse entry's MoE block."""
+    """The plan's per-entry lists: 16 linear tensors, 4 norms, 4 group sizes; a sparse entry's MoE block;
+    whether its int8 layers are W8A8 (the `w8a8` scheme)."""
 
     linears: list[torch.Tensor | None]
     norms: list[torch.Tensor | None]
     group_sizes: list[int]
     moe: MoEArgs | None = None
+    int8_activations: bool = False
 
 
 def _runs_on_kernel(linear: Linear) -> bool:
@@ -62,6 +64,11 @@ def _layer_linears(layer: LayerWeights) -> list[Linear | None]:
     if layer.moe is None:
         return [layer.qkv, layer.dense, layer.gate_up, layer.proj]
     return [layer.qkv, layer.dense, *layer.moe.gate_up, *layer.moe.proj]
+
+
+def _all_linears(layers: Sequence[LayerWeights]) -> list[Linear | None]:
+    """Every linear of `layers`, MoE experts included."""
+    return [lin for layer in layers for lin in _layer_linears(layer)]
 
 
 def _flatten(linears: Sequence[Linear | None]) -> tuple[list[torch.Tensor | None], list[int]]:
@@ -103,7 +110,7 @@ class FusedDecoder:
         sparse = any(layer.moe is not None for layer in layers)
         if not layers or config.hidden_act not in ACTIVATIONS or (sparse and config.hidden_act != "silu"):
             return None
-        linears = [lin for layer in layers for lin in _layer_linears(layer)]
+        linears = _all_linears(layers)
         norms = [
             n
             for layer in layers
@@ -111,6 +118,10 @@ class FusedDecoder:
             if n is not None
         ]
         moes = [layer.moe for layer in layers if layer.moe is not None]
+        # The plan rounds the activations of all its int8 layers one way (int16 levels, or int8 for w8a8).
+        schemes = {lin.scheme for lin in _all_linears(layers) if isinstance(lin, QuantLinear)}
+        if {"int8", "w8a8"} <= schemes:
+            return None
         if not all(lin is not None and _runs_on_kernel(lin) for lin in linears) or not all(
             0 < len(moe.gate_up) == len(moe.proj) == moe.router.shape[0] and moe.router.is_contiguous()
             for moe in moes
@@ -157,6 +168,7 @@ class FusedDecoder:
             [t for moe in moes if moe is not None for t in moe.linears],
             [g for moe in moes if moe is not None for g in moe.group_sizes],
             [n for moe in moes for n in (moe.shape if moe is not None else [0, 0, 0])],
+            int8_activations=any(entry.int8_activations for entry in entries),
         )
 
     @staticmethod
@@ -170,6 +182,7 @@ class FusedDecoder:
         and no gate_up or down."""
         flat, group_sizes = _flatten(linears)
         moe_args = None
+        experts: list[Linear] = []
         if moe is not None:
             experts = [lin for pair in zip(moe.gate_up, moe.proj, strict=True) for lin in pair]
             moe_flat, moe_groups = _flatten(experts)
@@ -178,7 +191,8 @@ class FusedDecoder:
                 [0, *moe_groups],
                 [len(moe.gate_up), moe.num_experts_per_tok, int(moe.normalize_top_k)],
             )
-        return KernelArgs(flat, list(norms), group_sizes, moe_args)
+        w8a8 = any(isinstance(lin, QuantLinear) and lin.int8_activations for lin in [*linears, *experts])
+        return KernelArgs(flat, list(norms), group_sizes, moe_args, w8a8)
 
     def forward(self, hidden: torch.Tensor, attention: Attention, meta: AttentionMetadata) -> torch.Tensor:
         """hidden [T, H] embeddings (updated in place) -> the last layer's output (before the final norm)."""

@@ -31,8 +31,9 @@ NORMS: dict[str, tuple[str, ...]] = {
 # pretrained_config.quantization.quant_algo -> QuantLinear scheme. AWQ is int4 group-wise once its
 # activation scales are folded into the preceding weights (quantization.pre_quant_scale false); GPTQ only
 # chooses the int4 levels.
-QUANT_SCHEMES: dict[str, Literal["int8", "int4"]] = {
+QUANT_SCHEMES: dict[str, Literal["int8", "w8a8", "int4"]] = {
     "W8A16": "int8",
+    "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN": "w8a8",
     "W4A16": "int4",
     "W4A16_AWQ": "int4",
     "W4A16_GPTQ": "int4",

@@ -3,9 +3,9 @@
 `QuantLinear` stores the tensors of `primitives.py` (the on-disk layout) as buffers and picks a path per call:
 the fused CPU kernel up to `max_kernel_rows` activation rows (decode; on AVX-512 builds prefill chunks too), else
 dequantize + torch matmul (many rows on AVX2 builds, CUDA, and wherever the kernels are unavailable). Both paths
-compute with the same fp32 weights and the same rounded activations (int8: int16 levels per row; int4: the same, or
-bf16-rounded weights and activations in steps of many rows, `primitives.int4_operands`), so they agree to float
-rounding.
+compute with the same fp32 weights and the same rounded activations (int8: int16 levels per row; w8a8: int8 levels
+per row, the same weights; int4: int16 levels, or bf16-rounded weights and activations in steps of many rows,
+`primitives.int4_operands`), so they agree to float rounding.
 """
 
 from __future__ import annotations
@@ -31,29 +31,31 @@ __all__ = [
     "max_kernel_rows",
 ]
 
-Scheme = Literal["int8", "int4"]
-SCHEMES: tuple[Scheme, ...] = ("int8", "int4")
+Scheme = Literal["int8", "w8a8", "int4"]
+SCHEMES: tuple[Scheme, ...] = ("int8", "w8a8", "int4")
+# Schemes whose weights are int8 per output channel (the same tensors; they differ in the activations' rounding).
+INT8_WEIGHT_SCHEMES: tuple[Scheme, ...] = ("int8", "w8a8")
 
 # Largest activation-row count sent to the kernels; above it, dequantize + torch matmul. AVX2 builds, measured
 # with scripts/bench_quant_kernels.py on SmolLM2 shapes, 2 threads (benchmarks/NOTES.md): at 128 rows int8
 # still ties or leads, int4 already loses on 3 of the 4 layer shapes; the fp32 GEMV ties torch at 64 rows on
 # 576x1536 and loses at 128.
-_AVX2_MAX_KERNEL_ROWS: dict[str, int] = {"fp32": 32, "bf16": 32, "int8": 128, "int4": 64}
+_AVX2_MAX_KERNEL_ROWS: dict[str, int] = {"fp32": 32, "bf16": 32, "int8": 128, "w8a8": 128, "int4": 64}
 # AVX-512 builds run steps of 4+ rows in 512-bit vectors: on a Zen 5 (2 threads, 3072x576 and 576x1536) the
 # fp32, int8 and int4 kernels ran 1.1-3.7x the rate of torch's fp32 matmul (after dequantizing) at every row
 # count from 64 to 2048, so prefill chunks take them too. bf16 keeps oneDNN's bf16 GEMM for many rows.
-_AVX512_MAX_KERNEL_ROWS: dict[str, int] = {"fp32": 2048, "bf16": 32, "int8": 2048, "int4": 2048}
+_AVX512_MAX_KERNEL_ROWS: dict[str, int] = {"fp32": 2048, "bf16": 32, "int8": 2048, "w8a8": 2048, "int4": 2048}
 
 
 def max_kernel_rows(kind: str) -> int:
-    """Most activation rows a linear with `kind` weights ("fp32", "bf16", "int8", "int4") sends to the kernels
+    """Most activation rows a linear with `kind` weights ("fp32", "bf16", "int8", "w8a8", "int4") sends to the kernels
     built for this CPU."""
     return (_AVX512_MAX_KERNEL_ROWS if has_wide_vectors() else _AVX2_MAX_KERNEL_ROWS)[kind]
 
 
 class QuantLinear(torch.nn.Module):
-    """y = x @ W.T + bias with W stored as int8 (per output channel; x rounded per row to int16 first, see
-    primitives) or int4 (group-wise, with zero points).
+    """y = x @ W.T + bias with W stored as int8 (per output channel; x rounded per row to int16 first, or to int8
+    for w8a8, see primitives) or int4 (group-wise, with zero points).
 
     Buffers (also `state_tensors()` keys; the engine stores them as `<layer name>.<key>`):
     `qweight` (int8 [out, in] or packed uint8 [out, in // 2]), `scales`, `zeros` (int4 only), `bias` (if any).
@@ -76,6 +78,7 @@ class QuantLinear(torch.nn.Module):
         self.group_size = group_size
         self.out_features = tensors["qweight"].shape[0]
         self.in_features = tensors["qweight"].shape[1] * (2 if scheme == "int4" else 1)
+        self.int8_activations = scheme == "w8a8"
         self.max_kernel_rows = max_kernel_rows(scheme)
         for name in ("qweight", "scales", "zeros", "bias"):
             tensor = tensors.get(name)
@@ -95,7 +98,7 @@ class QuantLinear(torch.nn.Module):
     ) -> QuantLinear:
         """Quantize a float [out, in] weight (the bias stays fp32)."""
         tensors: dict[str, torch.Tensor] = {}
-        if scheme == "int8":
+        if scheme in INT8_WEIGHT_SCHEMES:
             tensors["qweight"], tensors["scales"] = primitives.quantize_int8_per_channel(weight)
         elif scheme == "int4":
             if group_size is None:
@@ -127,7 +130,7 @@ class QuantLinear(torch.nn.Module):
         """The fp32 [out, in] weight (int4 steps of many rows round it to bf16: see primitives)."""
         # The compiled dequantizers return the primitives' exact values, several times faster.
         native = self.qweight.is_cpu and kernels_available()
-        if self.scheme == "int8":
+        if self.scheme in INT8_WEIGHT_SCHEMES:
             fn8 = kernels.dequantize_int8 if native else primitives.dequantize_int8
             return fn8(self.qweight, self.scales)
         assert self.zeros is not None and self.group_size is not None
@@ -139,12 +142,14 @@ class QuantLinear(torch.nn.Module):
         if x.dim() != 2:
             return self.forward(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
         if x.shape[0] <= self.max_kernel_rows and _kernel_ok(x):
-            if self.scheme == "int8":
-                return kernels.gemm_int8(x, self.qweight, self.scales, self.bias)
+            if self.scheme in INT8_WEIGHT_SCHEMES:
+                return kernels.gemm_int8(x, self.qweight, self.scales, self.bias, self.int8_activations)
             assert self.zeros is not None and self.group_size is not None
             return kernels.gemm_int4(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias)
         bias, weight = self.bias, self.dequantize()
-        if self.scheme == "int8":
+        if self.scheme == "w8a8":
+            x = primitives.round_activations_int8(x).to(x.dtype)
+        elif self.scheme == "int8":
             x = primitives.round_activations_int16(x).to(x.dtype)
         else:
             rounded, weight = primitives.int4_operands(x, weight)
@@ -203,7 +208,7 @@ def _check_tensors(scheme: str, tensors: dict[str, torch.Tensor], group_size: in
         raise ValueError(f"{scheme} tensors: missing {sorted(missing)}, unexpected {sorted(extra)}")
     qweight, scales = tensors["qweight"], tensors["scales"]
     out_features = qweight.shape[0]
-    if scheme == "int8":
+    if scheme in INT8_WEIGHT_SCHEMES:
         in_features = qweight.shape[1]
         _expect(qweight, torch.int8, (out_features, in_features), "qweight")
         _expect(scales, torch.float32, (out_features,), "scales")

@@ -24,6 +24,10 @@ int8 layers multiply their weights with activations rounded per row to 16-bit fi
     15 bits + sign keep the kernels' int32 sums exact (each product < 2^21); on SmolLM2-135M the rounding
     changed none of the accuracy metrics against weight-only int8 with fp32 activations.
 
+w8a8 layers store int8 weights exactly as int8 does, and round their activations per row to int8 levels the
+same way (s[m] = max_i |x[m, i]| / 127, q in [-127, 127]): SmoothQuant's per-token dynamic activations, whose
+integer dots AMX tiles take in one pass where int16 levels need two.
+
 int4 layers in steps of up to INT4_DIRECT_MAX_ROWS rows (decode) multiply their levels with the activations
 rounded as int8 layers round them (int16 per row), summed exactly per group and scaled by the group's fp32
 scale and zero point: the kernels take integer dot products there. Steps of more rows (batched decode, prefill)
@@ -39,6 +43,7 @@ import torch
 INT8_QMAX = 127
 INT4_QMAX = 15
 ACT_QMAX = 16383
+W8A8_ACT_QMAX = 127
 INT4_DIRECT_MAX_ROWS = 4  # the kernels' kInt4DirectMaxRows
 
 
@@ -58,10 +63,19 @@ def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
 
 def round_activations_int16(x: torch.Tensor) -> torch.Tensor:
     """x [..., in] float -> fp32 q * s per row (see the module docstring): the values int8 layers multiply."""
+    return _round_rows(x, ACT_QMAX)
+
+
+def round_activations_int8(x: torch.Tensor) -> torch.Tensor:
+    """x [..., in] float -> fp32 q * s per row at int8 levels: the values w8a8 layers multiply."""
+    return _round_rows(x, W8A8_ACT_QMAX)
+
+
+def _round_rows(x: torch.Tensor, qmax: int) -> torch.Tensor:
     x32 = x.to(torch.float32)
     amax = x32.abs().amax(dim=-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / ACT_QMAX, torch.ones_like(amax))
-    return torch.round(x32 / scale).clamp_(-ACT_QMAX, ACT_QMAX) * scale
+    scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+    return torch.round(x32 / scale).clamp_(-qmax, qmax) * scale
 
 
 def round_bf16(x: torch.Tensor) -> torch.Tensor:

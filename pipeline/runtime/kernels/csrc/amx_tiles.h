@@ -11,7 +11,8 @@
 // Numerics: int8 dots are exact, the same integers as the register tiles: the int16 activation levels
 // (quantize_rows_int16) are split into a signed high byte and an unsigned low byte, x = 256 hi + lo, each
 // multiplied in its own tile (dpbssd, dpbsud) into int32 sums that cannot overflow (|w hi| <= 127 * 64 and
-// w lo <= 127 * 255 per product), joined in int64. So an int8 step gives the same bits with tiles or without.
+// w lo <= 127 * 255 per product), joined in int64; W8A8 levels are bytes already, one dpbssd. So an int8 step
+// gives the same bits with tiles or without.
 // bf16 dots (and int4 ones in steps of more than kInt4DirectMaxRows rows, on weights dequantized to bf16)
 // multiply the same bf16-rounded values as the register tiles and sum the products in fp32 in the tile unit's
 // order, so they differ from the register tiles' sums by rounding (~1e-6 relative); a row's
@@ -22,6 +23,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <type_traits>
 
 #include "gemm_blocks.h"
 
@@ -55,6 +57,7 @@ inline bool tiles_on() { return tiles_enabled.load(std::memory_order_relaxed) &&
 // 0.8x at 16; the int8 lm_head GEMM (greedy head) 1.05-1.1x at 1-4 rows, 0.7x at 8, 0.55x at 16.
 constexpr int64_t kBf16TileMinRows = 2;
 constexpr int64_t kInt8TileMinRows = 12;
+constexpr int64_t kW8A8TileMinRows = 2;
 constexpr int64_t kInt8GemmTileMinRows = 8;
 
 // Whether a layer's shape walks in whole tiles: 16-row weight blocks (twice that for a gate_up pair, whose
@@ -278,13 +281,14 @@ struct TilesBF16 {
 };
 
 // int8 weights. xh / xl: the high (signed) and low (unsigned) bytes of the int16 activation levels, packed as
-// k-quads; xs: the levels' per-row scales.
+// k-quads; xs: the levels' per-row scales. W8A8 layers' levels are int8 already (kW8A8QMax): xh holds them and
+// xl is null, one tile multiply-add per k-step instead of two.
 struct TilesInt8 {
   static constexpr int kBlockRows = kTileRows;
   const int8_t* w;
   const float* scales;  // [N]
   const uint32_t* xh;   // [blocks, K / 4, tile_width(M)]
-  const uint32_t* xl;
+  const uint32_t* xl;   // the same, or null (W8A8)
   const float* xs;      // [M]
 
   // Scratch: the row scales [M] and int16 levels [M, K], their high and low bytes [2, M, K], the packed tiles.
@@ -293,19 +297,34 @@ struct TilesInt8 {
     return bytes_offset(M, K) + (2 * M * K + 3) / 4 + (2 * padded_rows(M) * K + 3) / 4 + kAlignSlack;
   }
 
-  // Quantizes p's rows (quantize_rows_int16) into `scratch` and packs their bytes.
-  static TilesInt8 prepare(const int8_t* w, const float* scales, const Problem& p, float* scratch) {
+  // Quantizes p's rows (quantize_rows_int16, to int8 levels with `int8_activations`) into `scratch` and packs
+  // their bytes.
+  static TilesInt8 prepare(const int8_t* w, const float* scales, const Problem& p, float* scratch,
+                           bool int8_activations) {
     const int64_t M = p.M, K = p.K;
     float* xs = scratch;
     auto* xq = reinterpret_cast<int16_t*>(xs + M);
-    quantize_rows_int16(p.x, M, K, p.ldx, xq, xs);
+    quantize_rows_int16(p.x, M, K, p.ldx, xq, xs, int8_activations ? kW8A8QMax : kActQMax);
     auto* bytes = reinterpret_cast<uint8_t*>(scratch + bytes_offset(M, K));
-    split_bytes(xq, M * K, bytes, bytes + M * K);
     uint32_t* xh = line_aligned(bytes + 2 * M * K);
+    if (int8_activations) {
+      narrow_bytes(xq, M * K, bytes);
+      pack_tile_columns(reinterpret_cast<const uint32_t*>(bytes), K / 4, M, K / 4, xh);
+      return TilesInt8{w, scales, xh, nullptr, xs};
+    }
+    split_bytes(xq, M * K, bytes, bytes + M * K);
     uint32_t* xl = xh + padded_rows(M) * K / 4;
     pack_tile_columns(reinterpret_cast<const uint32_t*>(bytes), K / 4, M, K / 4, xh);
     pack_tile_columns(reinterpret_cast<const uint32_t*>(bytes + M * K), K / 4, M, K / 4, xl);
     return TilesInt8{w, scales, xh, xl, xs};
+  }
+
+  // Levels within a byte's range, as bytes.
+  static void narrow_bytes(const int16_t* xq, int64_t count, uint8_t* out) {
+    int64_t i = 0;
+    for (; i + 32 <= count; i += 32)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi16_epi8(_mm512_loadu_si512(xq + i)));
+    for (; i < count; ++i) out[i] = static_cast<uint8_t>(static_cast<int8_t>(xq[i]));
   }
 
   // x = 256 hi + lo: hi = x >> 8 in [-64, 63], lo = x & 255.
@@ -367,11 +386,66 @@ struct TilesInt8 {
     }
   }
 
+  // W8A8: activation block mb against weight rows n0 .. n0 + 15, k-step c into C tile c % 4 (as TilesBF16);
+  // the integer sums are exact in any order.
+  void pass_int8(const Problem& p, int64_t n0, int64_t mb, bool prefetch, int32_t dots[kTileRows * kTileRows]) const {
+    const int64_t K = p.K, steps = K / kInt8TileK, W = tile_width(p.M), ldb = 4 * W;
+    const int8_t* wb = w + n0 * K;
+    const uint32_t* xb = xh + mb * (K / 4) * W;
+    const auto step = [&](auto acc, int64_t c) {
+      if (prefetch) prefetch_rows(reinterpret_cast<const char*>(wb), K, steps, c);
+      constexpr int kAcc = decltype(acc)::value;
+      if constexpr (kAcc % 2 == 0) {
+        _tile_loadd(4, wb + c * kInt8TileK, K);
+        _tile_loadd(6, xb + c * 16 * W, ldb);
+      } else {
+        _tile_loadd(5, wb + c * kInt8TileK, K);
+        _tile_loadd(7, xb + c * 16 * W, ldb);
+      }
+      if constexpr (kAcc == 0) _tile_dpbssd(0, 4, 6);
+      if constexpr (kAcc == 1) _tile_dpbssd(1, 5, 7);
+      if constexpr (kAcc == 2) _tile_dpbssd(2, 4, 6);
+      if constexpr (kAcc == 3) _tile_dpbssd(3, 5, 7);
+    };
+    using A0 = std::integral_constant<int, 0>;
+    using A1 = std::integral_constant<int, 1>;
+    using A2 = std::integral_constant<int, 2>;
+    using A3 = std::integral_constant<int, 3>;
+    zero_accumulators();
+    int64_t c = 0;
+    for (; c + 4 <= steps; c += 4) {
+      step(A0{}, c);
+      step(A1{}, c + 1);
+      step(A2{}, c + 2);
+      step(A3{}, c + 3);
+    }
+    if (c < steps) step(A0{}, c);
+    if (++c < steps) step(A1{}, c);
+    if (++c < steps) step(A2{}, c);
+    alignas(64) int32_t parts[4][kTileRows * kTileRows];
+    _tile_stored(0, parts[0], ldb);
+    _tile_stored(1, parts[1], ldb);
+    _tile_stored(2, parts[2], ldb);
+    _tile_stored(3, parts[3], ldb);
+    for (int64_t i = 0; i < kTileRows * W; i += 16)
+      _mm512_store_si512(dots + i, _mm512_add_epi32(_mm512_add_epi32(_mm512_load_si512(parts[0] + i),
+                                                                     _mm512_load_si512(parts[1] + i)),
+                                                    _mm512_add_epi32(_mm512_load_si512(parts[2] + i),
+                                                                     _mm512_load_si512(parts[3] + i))));
+  }
+
   void whole_block(const Problem& p, int64_t n0) const {
     alignas(64) int32_t hi[kTileRows * kTileRows], lo[kTileRows * kTileRows];
     const __m512 s = _mm512_loadu_ps(scales + n0);
     const int64_t W = tile_width(p.M);
     for (int64_t mb = 0; mb * W < p.M; ++mb) {
+      if (xl == nullptr) {
+        pass_int8(p, n0, mb, mb == 0, hi);
+        // Each dot is below 2^31 (K < 2^31 / 127^2) and converts to fp32 as the register tiles' int64 sum does.
+        for (int64_t i = 0; i < W && mb * W + i < p.M; ++i)
+          put_tile_row(p, n0, mb * W + i, _mm512_mul_ps(_mm512_cvtepi32_ps(tile_column(hi, W, i)), _mm512_set1_ps(xs[mb * W + i])), s);
+        continue;
+      }
       pass(p, n0, mb, mb == 0, hi, lo);
       for (int64_t i = 0; i < W && mb * W + i < p.M; ++i) {
         const int64_t m = mb * W + i;

@@ -226,7 +226,7 @@ bool on_tiles(const LinearRef& l, int64_t M, bool pair) {
   if (l.kind == WeightKind::kBF16)
     return M >= kBf16TileMinRows && tiles_fit(l.N, l.K, kBf16TileK, pair) && tiles_on();
   if (l.kind == WeightKind::kInt8)
-    return M >= kInt8TileMinRows && tiles_fit(l.N, l.K, kInt8TileK, pair) && tiles_on();
+    return M >= (l.int8_activations ? kW8A8TileMinRows : kInt8TileMinRows) && tiles_fit(l.N, l.K, kInt8TileK, pair) && tiles_on();
   if (l.kind == WeightKind::kInt4)
     return M > kInt4DirectMaxRows && tiles_fit(l.N, l.K, kBf16TileK, pair) && tiles_on();
   return false;
@@ -287,7 +287,7 @@ void team_linear(Team& team, const LinearRef& l, const float* x, int64_t M, int6
     if (l.kind == WeightKind::kBF16)
       on(TilesBF16::prepare(static_cast<const bf16*>(l.w), p, scratch));
     else if (l.kind == WeightKind::kInt8)
-      on(TilesInt8::prepare(static_cast<const int8_t*>(l.w), l.scales, p, scratch));
+      on(TilesInt8::prepare(static_cast<const int8_t*>(l.w), l.scales, p, scratch, l.int8_activations));
     else
       on(TilesInt4::prepare(static_cast<const uint8_t*>(l.w), l.scales, l.zeros, l.group_size, p, scratch, 0,
                             scratch + TilesInt4::tile_floats(l.K)));
@@ -301,7 +301,7 @@ void team_linear(Team& team, const LinearRef& l, const float* x, int64_t M, int6
     case WeightKind::kInt8: {
       // Like int4: each thread quantizes its own copy of the activation rows.
       auto* xq = reinterpret_cast<int16_t*>(scratch + M);
-      quantize_rows_int16(x, M, l.K, ldx, xq, scratch);
+      quantize_rows_int16(x, M, l.K, ldx, xq, scratch, l.int8_activations ? kW8A8QMax : kActQMax);
       go(Int8{static_cast<const int8_t*>(l.w), l.scales, xq, scratch});
       break;
     }

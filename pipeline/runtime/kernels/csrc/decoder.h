@@ -16,6 +16,7 @@ struct LinearRef {
   const float* zeros = nullptr;   // int4 [N, G]
   const float* bias = nullptr;    // [N] or null
   int64_t N = 0, K = 0, group_size = 0;
+  bool int8_activations = false;  // int8: activation rows rounded to int8 levels (W8A8), else to int16
 };
 
 // The MLP's activation: SwiGLU's silu or GeGLU's tanh-approximated gelu (torch's approximate="tanh").

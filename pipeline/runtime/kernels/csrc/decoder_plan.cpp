@@ -79,7 +79,8 @@ const float* vector_ptr(const std::optional<at::Tensor>& t, int64_t H, const cha
 // the residual stream and the attention output (a call with lists of ~20 tensors costs ~10 us more).
 // Entry i is built from linears[16 i .. 16 i + 15] = 4 x [weight, scales, zeros, bias] for dense, gate_up,
 // down and next_qkv, norms[4 i .. 4 i + 3] = attention_output_norm, post_norm, mlp_output_norm, next_norm and
-// group_sizes[4 i .. 4 i + 3]; `activation` is the MLP's, "silu" or "gelu_pytorch_tanh".
+// group_sizes[4 i .. 4 i + 3]; `activation` is the MLP's, "silu" or "gelu_pytorch_tanh"; `int8_activations`:
+// the int8 layers are W8A8 (their activation rows rounded to int8 levels, not int16).
 // A sparse entry (moe_shapes[3 i .. 3 i + 2] = num_experts E > 0, top_k, normalize; E = 0: none) has no
 // gate_up or down but a MoE block (llmp::MoEBlock, experts SwiGLU), whose linears are the entry's next
 // 4 (2 E + 1) moe_linears (the router, then each expert's gate_up and down, as 4 tensors each) with the next
@@ -87,7 +88,7 @@ const float* vector_ptr(const std::optional<at::Tensor>& t, int64_t H, const cha
 struct DecoderPlan : torch::CustomClassHolder {
   DecoderPlan(const c10::List<std::optional<at::Tensor>>& linears, const c10::List<std::optional<at::Tensor>>& norms,
               const std::vector<int64_t>& group_sizes, double eps, const std::string& activation,
-              const c10::List<std::optional<at::Tensor>>& moe_linears, const std::vector<int64_t>& moe_group_sizes,
+              bool int8_activations, const c10::List<std::optional<at::Tensor>>& moe_linears, const std::vector<int64_t>& moe_group_sizes,
               const std::vector<int64_t>& moe_shapes) {
     const size_t count = norms.size() / 4;
     TORCH_CHECK(count > 0 && norms.size() == 4 * count && linears.size() == 16 * count &&
@@ -120,6 +121,15 @@ struct DecoderPlan : torch::CustomClassHolder {
     TORCH_CHECK(4 * moe_next == moe_linears.size() && moe_next == moe_group_sizes.size(),
                 "DecoderPlan: ", moe_linears.size(), " MoE linear tensors and ", moe_group_sizes.size(),
                 " group sizes, the entries take ", 4 * moe_next, " and ", moe_next);
+    if (int8_activations) {
+      const auto mark = [](llmp::LinearRef& l) { l.int8_activations = l.kind == llmp::WeightKind::kInt8; };
+      for (llmp::DecoderStep& s : steps_)
+        for (llmp::LinearRef* l : {&s.dense, &s.gate_up, &s.down, &s.next_qkv}) mark(*l);
+      for (const auto& store : moes_) {
+        for (llmp::LinearRef& l : store->gate_up) mark(l);
+        for (llmp::LinearRef& l : store->down) mark(l);
+      }
+    }
   }
 
   at::Tensor run(int64_t index, const at::Tensor& hidden, const std::optional<at::Tensor>& attn) const {
@@ -261,7 +271,7 @@ struct DecoderPlan : torch::CustomClassHolder {
 TORCH_LIBRARY_FRAGMENT(llmpipe_quant, m) {
   m.class_<DecoderPlan>("DecoderPlan")
       .def(torch::init<c10::List<std::optional<at::Tensor>>, c10::List<std::optional<at::Tensor>>,
-                       std::vector<int64_t>, double, std::string, c10::List<std::optional<at::Tensor>>,
+                       std::vector<int64_t>, double, std::string, bool, c10::List<std::optional<at::Tensor>>,
                        std::vector<int64_t>, std::vector<int64_t>>())
       .def("run", &DecoderPlan::run);
 }

@@ -292,11 +292,15 @@ inline void round_rows_bf16(const float* x, int64_t M, int64_t K, int64_t ldx, f
 // a span of kActSpan k is summed in int32, in lanes and then across them, and the spans into int64.
 constexpr float kActQMax = 16383.0f;
 constexpr int64_t kActSpan = 1024;
+// W8A8 layers (SmoothQuant's per-token activations) round each row to int8 levels instead, the same way with
+// this bound: the same integer dots on levels that fit a byte, which AMX tiles multiply in one pass.
+constexpr float kW8A8QMax = 127.0f;
 
-inline float act_scale(float amax) { return amax > 0.0f ? amax / kActQMax : 1.0f; }
+inline float act_scale(float amax, float qmax) { return amax > 0.0f ? amax / qmax : 1.0f; }
 
-// x [M, K] fp32 (row stride ldx) -> xq [M, K] int16 and their scales [M].
-inline void quantize_rows_int16(const float* x, int64_t M, int64_t K, int64_t ldx, int16_t* xq, float* scales) {
+// x [M, K] fp32 (row stride ldx) -> xq [M, K] int16 levels in [-qmax, qmax] and their scales [M].
+inline void quantize_rows_int16(const float* x, int64_t M, int64_t K, int64_t ldx, int16_t* xq, float* scales,
+                                float qmax = kActQMax) {
   for (int64_t m = 0; m < M; ++m) {
     const float* xm = x + m * ldx;
     int16_t* o = xq + m * K;
@@ -308,9 +312,9 @@ inline void quantize_rows_int16(const float* x, int64_t M, int64_t K, int64_t ld
     h = _mm_max_ps(h, _mm_movehl_ps(h, h));
     float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
     for (; k < K; ++k) amax = fabsf(xm[k]) > amax ? fabsf(xm[k]) : amax;
-    const float s = act_scale(amax);
+    const float s = act_scale(amax, qmax);
     scales[m] = s;
-    const __m256 sv = _mm256_set1_ps(s), hi = _mm256_set1_ps(kActQMax), lo = _mm256_set1_ps(-kActQMax);
+    const __m256 sv = _mm256_set1_ps(s), hi = _mm256_set1_ps(qmax), lo = _mm256_set1_ps(-qmax);
     for (k = 0; k + 8 <= K; k += 8) {
       const __m256 q = _mm256_min_ps(_mm256_max_ps(_mm256_div_ps(_mm256_loadu_ps(xm + k), sv), lo), hi);
       const __m256i i = _mm256_cvtps_epi32(q);  // round half to even (MXCSR default)
@@ -319,7 +323,7 @@ inline void quantize_rows_int16(const float* x, int64_t M, int64_t K, int64_t ld
     }
     for (; k < K; ++k) {
       const float q = nearbyintf(xm[k] / s);
-      o[k] = static_cast<int16_t>(q > kActQMax ? kActQMax : q < -kActQMax ? -kActQMax : q);
+      o[k] = static_cast<int16_t>(q > qmax ? qmax : q < -qmax ? -qmax : q);
     }
   }
 }

@@ -9,14 +9,15 @@
 #include "gemm_blocks.h"
 
 extern "C" void llmp_gemm_int8(const float* x, int64_t M, int64_t K, int64_t ldx, const int8_t* w,
-                               const float* scales, const float* bias, float* y, int64_t N, int num_threads);
+                               const float* scales, const float* bias, float* y, int64_t N, bool int8_activations,
+                               int num_threads);
 
 namespace llmp {
 
 void greedy_argmax_int8(const float* x, int64_t R, int64_t K, const int8_t* qweight, const float* scales,
                         const float* weight, int64_t V, const float* error_per_l1, int num_threads, int64_t* out) {
   const std::unique_ptr<float[]> approx(new float[R * V]);
-  llmp_gemm_int8(x, R, K, K, qweight, scales, nullptr, approx.get(), V, num_threads);
+  llmp_gemm_int8(x, R, K, K, qweight, scales, nullptr, approx.get(), V, false, num_threads);
 
   // Rows are independent: with several (batched decode) their scans and exact logits split across the team
   // instead of running on one thread while the others wait (16 rows of SmolLM2: ~1 ms a step on one thread).

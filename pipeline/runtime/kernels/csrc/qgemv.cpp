@@ -61,13 +61,13 @@ void llmp_gemm_f32(const float* x, int64_t M, int64_t K, int64_t ldx, const floa
 
 // Returns 0; -1 when the activation scratch cannot be allocated.
 int llmp_gemm_int8(const float* x, int64_t M, int64_t K, int64_t ldx, const int8_t* w, const float* scales,
-                   const float* bias, float* y, int64_t N, int num_threads) {
+                   const float* bias, float* y, int64_t N, bool int8_activations, int num_threads) {
   const Problem p{x, M, K, ldx, N, bias, y, N, false};
 #if defined(LLMP_TILES)
   if (M >= kInt8GemmTileMinRows && tiles_fit(N, K, kInt8TileK, false) && tiles_on()) {
     float* tile_scratch = static_cast<float*>(malloc(sizeof(float) * TilesInt8::scratch_floats(M, K)));
     if (!tile_scratch) return -1;
-    run_tiles(TilesInt8::prepare(w, scales, p, tile_scratch), p, num_threads);
+    run_tiles(TilesInt8::prepare(w, scales, p, tile_scratch, int8_activations), p, num_threads);
     free(tile_scratch);
     return 0;
   }
@@ -76,7 +76,7 @@ int llmp_gemm_int8(const float* x, int64_t M, int64_t K, int64_t ldx, const int8
   if (!scratch) return -1;
   auto* xs = static_cast<float*>(scratch);
   auto* xq = reinterpret_cast<int16_t*>(xs + M);
-  quantize_rows_int16(x, M, K, ldx, xq, xs);
+  quantize_rows_int16(x, M, K, ldx, xq, xs, int8_activations ? kW8A8QMax : kActQMax);
   run<4>(Int8{w, scales, xq, xs}, p, num_threads);
   free(scratch);
   return 0;

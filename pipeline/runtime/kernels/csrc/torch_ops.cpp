@@ -23,7 +23,7 @@ extern "C" {
 void llmp_gemm_f32(const float* x, int64_t M, int64_t K, int64_t ldx, const float* w, const float* bias,
                    float* y, int64_t N, int num_threads);
 int llmp_gemm_int8(const float* x, int64_t M, int64_t K, int64_t ldx, const int8_t* w, const float* scales,
-                   const float* bias, float* y, int64_t N, int num_threads);
+                   const float* bias, float* y, int64_t N, bool int8_activations, int num_threads);
 int llmp_gemm_int4(const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* w, const float* scales,
                    const float* zeros, int64_t group_size, const float* bias, float* y, int64_t N,
                    int num_threads);
@@ -63,7 +63,7 @@ at::Tensor gemm_f32(const at::Tensor& x_in, const at::Tensor& weight, const std:
 }
 
 at::Tensor gemm_int8(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
-                     const std::optional<at::Tensor>& bias) {
+                     const std::optional<at::Tensor>& bias, bool int8_activations) {
   TORCH_CHECK(qweight.dim() == 2, "qweight: expected [N, K]");
   const int64_t N = qweight.size(0), K = qweight.size(1);
   expect(qweight, at::kChar, {N, K}, "qweight");
@@ -72,7 +72,8 @@ at::Tensor gemm_int8(const at::Tensor& x_in, const at::Tensor& qweight, const at
   at::Tensor y = at::empty({x.size(0), N}, x.options());
   const int rc = llmp_gemm_int8(x.const_data_ptr<float>(), x.size(0), K, x.stride(0),
                                 qweight.const_data_ptr<int8_t>(), scales.const_data_ptr<float>(),
-                                bias_ptr(bias, N), y.mutable_data_ptr<float>(), N, at::get_num_threads());
+                                bias_ptr(bias, N), y.mutable_data_ptr<float>(), N, int8_activations,
+                                at::get_num_threads());
   TORCH_CHECK(rc == 0, "int8 kernel: out of memory for its activation scratch");
   return y;
 }
@@ -254,7 +255,7 @@ bool tiles_available() {
 
 TORCH_LIBRARY(llmpipe_quant, m) {
   m.def("gemm_f32(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
-  m.def("gemm_int8(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> Tensor");
+  m.def("gemm_int8(Tensor x, Tensor qweight, Tensor scales, Tensor? bias, bool int8_activations=False) -> Tensor");
   m.def("gemm_int4(Tensor x, Tensor packed, Tensor scales, Tensor zeros, int group_size, Tensor? bias) -> Tensor");
   m.def("dequant_int8(Tensor qweight, Tensor scales) -> Tensor");
   m.def("dequant_int4(Tensor packed, Tensor scales, Tensor zeros, int group_size) -> Tensor");
