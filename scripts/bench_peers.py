@@ -61,6 +61,7 @@ BUILDS: dict[str, str] = {
     "fp32": "build_configs/smollm2-135m.yaml",
     "bf16": "build_configs/smollm2-135m-bf16.yaml",
     "int8": "build_configs/smollm2-135m-int8.yaml",
+    "w8a8": "build_configs/smollm2-135m-int8-sq.yaml",
     "int4": "build_configs/smollm2-135m-int4.yaml",
 }
 BATCH = 16
@@ -79,7 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--precisions", default="fp32,bf16,int8,int4")
+    parser.add_argument("--precisions", default="fp32,bf16,int8,w8a8,int4")
     parser.add_argument(
         "--peers",
         default="hf,llamacpp,ct2,openvino",

@@ -16,6 +16,7 @@ from pipeline.stages.runner import StageInput
 PRECISION_OF_MODE = {
     "none": "fp32",
     "int8_wo": "int8",
+    "int8_sq": "w8a8",
     "int4_wo": "int4",
     "int4_awq": "int4",
     "int4_gptq": "int4",
@@ -35,7 +36,8 @@ class Build:
 
 
 def precision_of(cfg: BuildConfig) -> str:
-    """The benchmark's name for a config's weight precision: fp32, bf16 (unquantized bfloat16), int8, int4."""
+    """The benchmark's name for a config's weight precision: fp32, bf16 (unquantized bfloat16), int8 (W8A16),
+    w8a8 (int8_sq), int4."""
     mode = cfg.quantization.mode
     if mode == "none" and cfg.dtype == "bfloat16":
         return "bf16"

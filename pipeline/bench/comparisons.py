@@ -15,19 +15,26 @@ from dataclasses import dataclass
 
 from pipeline.bench.load import RunResult
 
-OURS = ("fp32", "bf16", "int8", "int4")
-# the peers that run weights of each of our precisions, as measurement key prefixes
+OURS = ("fp32", "bf16", "int8", "w8a8", "int4")
+# The peers that run weights of each of our precisions, as measurement key prefixes. Every int8 peer also
+# multiplies int8 activations (llama.cpp rounds them to Q8_0 blocks, CTranslate2 per row, OpenVINO's CPU
+# plugin per group of 32: its DYNAMIC_QUANTIZATION_GROUP_SIZE default), so they stand against our W8A16 int8
+# and our W8A8 (int8_sq) alike.
+INT8_PEERS = ("llamacpp.q8_0", "ct2.int8", "openvino.int8")
 PEERS_BY_PRECISION: dict[str, tuple[str, ...]] = {
     "fp32": ("hf.fp32", "llamacpp.f32", "ct2.float32", "openvino.fp32"),
     "bf16": ("llamacpp.bf16", "openvino.bf16"),
-    "int8": ("llamacpp.q8_0", "ct2.int8", "openvino.int8"),
+    "int8": INT8_PEERS,
+    "w8a8": INT8_PEERS,
     "int4": ("llamacpp.q4_1", "openvino.int4"),
 }
 # The workload tag of in-process runs that ask for each token's log-prob as the served ensemble's requests
 # do (they count a response's tokens by them): served throughput is compared with those.
 LOG_PROBS_WORKLOAD = "logprobs"
 # each peer's batched run with 16 requests in flight (HF: a padded static batch of 16)
-PEER_BATCHED = tuple(f"{peer}.c16_tok_s" for peers in PEERS_BY_PRECISION.values() for peer in peers)
+PEER_BATCHED = tuple(
+    dict.fromkeys(f"{peer}.c16_tok_s" for peers in PEERS_BY_PRECISION.values() for peer in peers)
+)
 
 
 @dataclass(frozen=True)

@@ -127,6 +127,11 @@ class TuneSection(_Strict):
         return bool(self.steps or self.block_steps)
 
 
+# SmoothQuant's migration strength when a config leaves it unset: the paper's and TensorRT-LLM's examples' value,
+# which balances the activations' and the weights' ranges.
+DEFAULT_SMOOTHQUANT_ALPHA = 0.5
+
+
 class QuantizationSection(_Strict):
     mode: QuantMode = Field(
         "none", description="Weight/activation format, named as ModelOpt's quantize.py --qformat."
@@ -146,14 +151,15 @@ class QuantizationSection(_Strict):
         "calibration set (AWQ-style) before rounding; same W8A16 format and kernels. int4_awq and int4_gptq "
         "always do.",
     )
-    smoothquant_alpha: float = Field(
-        0.5,
+    smoothquant_alpha: float | None = Field(
+        None,
         ge=0.0,
         le=1.0,
         description="int8_sq on the torch backend: SmoothQuant's migration strength (TensorRT-LLM's --smoothquant "
-        "value). Each input channel c of a linear layer is divided by s_c = max|x_c|^alpha / max|W_c|^(1 - alpha), "
-        "measured on the calibration set, and its weight column multiplied by s_c (folded into the norm or layer "
-        "before), moving activation outliers into the weights before both are rounded to int8.",
+        "value; unset = 0.5). Each input channel c of a linear layer is divided by s_c = max|x_c|^alpha / "
+        "max|W_c|^(1 - alpha), measured on the calibration set, and its weight column multiplied by s_c (folded "
+        "into the norm or layer before), moving activation outliers into the weights before both are rounded "
+        "to int8.",
     )
     calibration: CalibrationSection = Field(
         default_factory=CalibrationSection, description="Calibration data."
@@ -165,6 +171,11 @@ class QuantizationSection(_Strict):
     @property
     def quant_algo(self) -> str | None:
         return QUANT_ALGO[self.mode]
+
+    @property
+    def smoothing_alpha(self) -> float:
+        """smoothquant_alpha, or its default."""
+        return DEFAULT_SMOOTHQUANT_ALPHA if self.smoothquant_alpha is None else self.smoothquant_alpha
 
     def quant_algo_for(self, backend: str) -> str | None:
         """The quant_algo `backend`'s checkpoint records for this mode (the torch backend's int8_sq differs)."""
@@ -601,7 +612,7 @@ def _check_backend_support(cfg: BuildConfig) -> None:
             f"quantization.activation_aware=true applies to mode=int8_wo on backend=torch, not mode={q.mode} on "
             f"backend={cfg.backend} (for activation-aware int4 use mode=int4_awq or int4_gptq)"
         )
-    if "smoothquant_alpha" in q.model_fields_set and (cfg.backend, q.mode) != ("torch", "int8_sq"):
+    if q.smoothquant_alpha is not None and (cfg.backend, q.mode) != ("torch", "int8_sq"):
         raise ValueError(
             f"quantization.smoothquant_alpha={q.smoothquant_alpha} applies to mode=int8_sq on backend=torch, not "
             f"mode={q.mode} on backend={cfg.backend}; remove it"

@@ -180,7 +180,7 @@ def _smoothquant(
 
     calibration = cfg.quantization.calibration
     tokens, block_stats = layer_input_stats(_calibration_model(cfg, hf_dir), calibration)
-    facts = apply_smoothquant(tensors, pretrained, block_stats, cfg.quantization.smoothquant_alpha)
+    facts = apply_smoothquant(tensors, pretrained, block_stats, cfg.quantization.smoothing_alpha)
     return {"calibration": {**calibration.model_dump(), "tokens": tokens}, **facts}
 
 

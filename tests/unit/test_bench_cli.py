@@ -135,6 +135,7 @@ def test_in_process_run_writes_table_and_results(
         ("smollm2-135m.yaml", "fp32"),
         ("smollm2-135m-bf16.yaml", "bf16"),
         ("smollm2-135m-int8.yaml", "int8"),
+        ("smollm2-135m-int8-sq.yaml", "w8a8"),
         ("smollm2-135m-int4-awq.yaml", "int4"),
     ],
 )

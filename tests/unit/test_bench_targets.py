@@ -64,7 +64,7 @@ def test_targets_checker_marks_met_missed_and_not_measured() -> None:
 
 def test_every_precision_has_its_four_targets() -> None:
     keys = [t.comparison.key for t in PEER_TARGETS]
-    for precision in ("fp32", "bf16", "int8", "int4"):
+    for precision in ("fp32", "bf16", "int8", "w8a8", "int4"):
         for goal in (
             "single_vs_best_peer",
             "c16_vs_best_peer",

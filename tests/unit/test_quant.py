@@ -341,10 +341,22 @@ def test_prefill_chunks_take_the_kernels_where_they_are_built_wide(monkeypatch: 
     monkeypatch.delenv(build.ISA_ENV, raising=False)
     build.has_wide_vectors.cache_clear()  # read once per process; this test changes the machine under it
     try:
-        assert [max_kernel_rows(k) for k in ("fp32", "bf16", "int8", "int4")] == [2048, 32, 2048, 2048]
+        assert [max_kernel_rows(k) for k in ("fp32", "bf16", "int8", "w8a8", "int4")] == [
+            2048,
+            32,
+            2048,
+            2048,
+            2048,
+        ]
         monkeypatch.setenv(build.ISA_ENV, "avx2")
         build.has_wide_vectors.cache_clear()
-        assert [max_kernel_rows(k) for k in ("fp32", "bf16", "int8", "int4")] == [32, 32, 128, 64]
+        assert [max_kernel_rows(k) for k in ("fp32", "bf16", "int8", "w8a8", "int4")] == [
+            32,
+            32,
+            128,
+            128,
+            64,
+        ]
         monkeypatch.setenv(build.ISA_ENV, "sse")  # refused when the kernels load; the torch path has no limit
         build.has_wide_vectors.cache_clear()
         assert max_kernel_rows("int8") == 128

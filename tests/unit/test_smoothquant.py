@@ -125,4 +125,4 @@ def test_torch_int8_sq_records_per_token_activations(tmp_path: Path) -> None:
     root = Path(__file__).resolve().parents[2]
     shipped = load_build_config(root / "build_configs" / "smollm2-135m-int8-sq.yaml")
     assert shipped.backend == "torch" and shipped.quantization.mode == "int8_sq"
-    assert shipped.quantization.smoothquant_alpha == 0.5
+    assert shipped.quantization.smoothing_alpha == 0.5
