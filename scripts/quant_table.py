@@ -35,6 +35,7 @@ MODES: dict[str, tuple[str, list[str]]] = {
     "bf16": ("build_configs/smollm2-135m-bf16.yaml", []),
     "int8_wo": ("build_configs/smollm2-135m-int8.yaml", []),
     "int8_wo activation-aware": ("build_configs/smollm2-135m-int8-awq.yaml", []),
+    "int8_sq (W8A8)": ("build_configs/smollm2-135m-int8-sq.yaml", []),
     "int4_wo g128": ("build_configs/smollm2-135m-int4.yaml", []),
     "int4_awq g128": ("build_configs/smollm2-135m-int4-awq.yaml", []),
     "int4_gptq g128": ("build_configs/smollm2-135m-int4-gptq.yaml", []),
