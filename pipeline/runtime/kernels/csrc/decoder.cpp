@@ -226,7 +226,8 @@ bool on_tiles(const LinearRef& l, int64_t M, bool pair) {
   if (l.kind == WeightKind::kBF16)
     return M >= kBf16TileMinRows && tiles_fit(l.N, l.K, kBf16TileK, pair) && tiles_on();
   if (l.kind == WeightKind::kInt8)
-    return M >= (l.int8_activations ? kW8A8TileMinRows : kInt8TileMinRows) && tiles_fit(l.N, l.K, kInt8TileK, pair) && tiles_on();
+    return M >= (l.int8_activations ? kW8A8TileMinRows : kInt8TileMinRows) && tiles_fit(l.N, l.K, kInt8TileK, pair) &&
+           tiles_on();
   if (l.kind == WeightKind::kInt4)
     return M > kInt4DirectMaxRows && tiles_fit(l.N, l.K, kBf16TileK, pair) && tiles_on();
   return false;
@@ -242,6 +243,9 @@ int64_t register_tile_scratch(const LinearRef& l, int64_t M) {
     case WeightKind::kBF16:
       return M * l.K;  // the rounded activations (bf16 or fp32)
     case WeightKind::kInt8:
+#if defined(__AVX512VNNI__)
+      if (l.int8_activations && M >= kW8A8ByteMinRows) return int8_bytes_floats(M, l.K);
+#endif
       return M + (M * l.K + 1) / 2;  // the row scales, then the int16 activations
     default:
       return 0;
@@ -300,6 +304,12 @@ void team_linear(Team& team, const LinearRef& l, const float* x, int64_t M, int6
       break;
     case WeightKind::kInt8: {
       // Like int4: each thread quantizes its own copy of the activation rows.
+#if defined(__AVX512VNNI__)
+      if (l.int8_activations && M >= kW8A8ByteMinRows) {
+        go(prepare_int8_bytes(static_cast<const int8_t*>(l.w), l.scales, x, M, l.K, ldx, scratch));
+        break;
+      }
+#endif
       auto* xq = reinterpret_cast<int16_t*>(scratch + M);
       quantize_rows_int16(x, M, l.K, ldx, xq, scratch, l.int8_activations ? kW8A8QMax : kActQMax);
       go(Int8{static_cast<const int8_t*>(l.w), l.scales, xq, scratch});

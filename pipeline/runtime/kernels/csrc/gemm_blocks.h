@@ -797,6 +797,116 @@ struct Int8 {
   float scale(int64_t n) const { return scales[n]; }
 };
 
+#if defined(__AVX512VNNI__)
+// W8A8 layers on AVX512_VNNI: one dpbusd multiplies 64 unsigned activation bytes by 64 signed weight bytes, twice
+// what dpwssd does on int16 levels, and reads the weights as stored (no widening). The int8 levels q in
+// [-127, 127] go in as q + 128 in [1, 255]; each dot drops 128 x its weight row's sum again (summed once per
+// block of weight rows, in prepare): dot(w, q) = dot(w, q + 128) - 128 sum(w). The products of a span of
+// kByteSpan k fit int32 lanes (each dpbusd adds at most 4 x 255 x 127 to a lane), the spans sum in int64: the
+// integers of the int16 form, so a row's result is the same bits on either path, tiles included.
+constexpr int64_t kByteStep = 64;
+constexpr int64_t kByteSpan = 1 << 16;
+// Fewest rows a W8A8 step takes to the bytes; fewer stay on the int16 form, the same integers. Measured on a
+// Sapphire Rapids class Xeon without its tiles (LLMPIPE_KERNEL_ISA=avx512_bf16, scripts/bench_kernels.py ab,
+// SmolLM2-135M int8_sq decoder layers, int16 form / bytes time): 1 row 0.89-0.94x (the row sums cost as much
+// as the dot), 4 rows 1.01x, 8 rows 1.13x, 16 rows 1.24x.
+constexpr int64_t kW8A8ByteMinRows = 8;
+
+struct ByteLanes {
+  __m512i v;
+};
+inline void vload(ByteLanes& a, const uint8_t* p) { a.v = _mm512_loadu_si512(p); }
+inline void vload(ByteLanes& a, const int8_t* p) { a.v = _mm512_loadu_si512(p); }
+// acc += per int32 lane, 4 products of x's unsigned and w's signed bytes (asm: see dot_pairs).
+inline void vdot(const ByteLanes& w, const ByteLanes& x, WideInt& acc) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc.v) : "v"(x.v), "v"(w.v));
+}
+
+// Exact integer dots of NB int8 weight rows (row stride K) with MB rows of biased activation bytes.
+template <int NB, int MB>
+inline void byte_block(const uint8_t* x, const int8_t* w, int64_t K, const void* next, int64_t out[NB][MB]) {
+  for (int r = 0; r < NB; ++r)
+    for (int m = 0; m < MB; ++m) out[r][m] = 0;
+  const int64_t vec_end = K / kByteStep * kByteStep;
+  for (int64_t k0 = 0; k0 < vec_end; k0 += kByteSpan) {
+    WideInt acc[NB][MB];
+    zero_tile<WideInt, NB, MB>(acc);
+    tile_steps<ByteLanes, NB, MB>(x, K, w, K, k0, k0 + kByteSpan < vec_end ? k0 + kByteSpan : vec_end, kByteStep,
+                                  next, acc);
+    int32_t sums[NB][MB];
+    tile_sums<NB, MB>(acc, sums);
+    for (int r = 0; r < NB; ++r)
+      for (int m = 0; m < MB; ++m) out[r][m] += sums[r][m];
+  }
+  for (int r = 0; r < NB; ++r)
+    for (int m = 0; m < MB; ++m)
+      for (int64_t t = vec_end; t < K; ++t) out[r][m] += int64_t{w[r * K + t]} * x[m * K + t];
+}
+
+// int8 weights with W8A8 activations: `xb` this thread's copy of the levels + 128 ([M, K]), `xs` their scales,
+// `bias_sums` this thread's [kMaxBlockRows]: 128 x each weight row's sum for the current block.
+struct Int8Bytes {
+  static constexpr int kMaxBlockRows = 16;
+  const int8_t* w;
+  const float* scales;
+  const uint8_t* xb;
+  const float* xs;
+  int64_t* bias_sums;
+
+  template <int NB>
+  void prepare(const Problem& p, int64_t n0) const {
+    static_assert(NB <= kMaxBlockRows);
+    const ByteLanes ones{_mm512_set1_epi8(1)};
+    for (int r = 0; r < NB; ++r) {
+      const int8_t* row = w + (n0 + r) * p.K;
+      WideInt acc{_mm512_setzero_si512()};
+      int64_t k = 0;
+      for (; k + kByteStep <= p.K; k += kByteStep) {  // a lane gains at most 4 x 127 a step: no overflow below 2^28 k
+        ByteLanes wv;
+        vload(wv, row + k);
+        vdot(wv, ones, acc);
+      }
+      int64_t sum = _mm512_reduce_add_epi32(acc.v);
+      for (; k < p.K; ++k) sum += row[k];
+      bias_sums[r] = 128 * sum;
+    }
+  }
+  template <typename V, int NB, int MB>
+  void block(const Problem& p, int64_t n0, int64_t m0, float out[NB][MB]) const {
+    const int8_t* wb = w + n0 * p.K;
+    int64_t dots[NB][MB];
+    byte_block<NB, MB>(xb + m0 * p.K, wb, p.K, wb + NB * p.K, dots);
+    for (int r = 0; r < NB; ++r)
+      for (int m = 0; m < MB; ++m) out[r][m] = static_cast<float>(dots[r][m] - bias_sums[r]) * xs[m0 + m];
+  }
+  float scale(int64_t n) const { return scales[n]; }
+};
+
+// Floats of scratch prepare_int8_bytes takes for M rows of K: the block's row sums, the row scales, the int16
+// levels, their bytes.
+inline int64_t int8_bytes_floats(int64_t M, int64_t K) {
+  return 2 * Int8Bytes::kMaxBlockRows + M + (M * K + 1) / 2 + (M * K + 3) / 4;
+}
+
+// Rounds the rows x [M, K] (row stride ldx) to W8A8 levels (quantize_rows_int16 at kW8A8QMax) into `scratch`
+// and biases them to bytes.
+inline Int8Bytes prepare_int8_bytes(const int8_t* w, const float* scales, const float* x, int64_t M, int64_t K,
+                                    int64_t ldx, float* scratch) {
+  auto* sums = reinterpret_cast<int64_t*>(scratch);
+  float* xs = scratch + 2 * Int8Bytes::kMaxBlockRows;
+  auto* xq = reinterpret_cast<int16_t*>(xs + M);
+  auto* xb = reinterpret_cast<uint8_t*>(xq + M * K);
+  quantize_rows_int16(x, M, K, ldx, xq, xs, kW8A8QMax);
+  const __m512i bias = _mm512_set1_epi16(128);
+  int64_t i = 0;
+  for (; i + 32 <= M * K; i += 32)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xb + i),
+                        _mm512_cvtepi16_epi8(_mm512_add_epi16(_mm512_loadu_si512(xq + i), bias)));
+  for (; i < M * K; ++i) xb[i] = static_cast<uint8_t>(xq[i] + 128);
+  return Int8Bytes{w, scales, xb, xs, sums};
+}
+#endif
+
 // bf16 weights; `xr` is this thread's copy of the activation rows rounded by round_rows_bf16 ([M, K]).
 struct DenseBF16 {
   const bf16* w;

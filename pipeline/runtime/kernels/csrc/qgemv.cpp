@@ -34,6 +34,20 @@ void run(const Fmt& f, const Problem& p, int num_threads) {
   for (int64_t b = 0; b < num_blocks; ++b) row_block<NB>(f, p, b);
 }
 
+#if defined(__AVX512VNNI__)
+// As run(), for W8A8 bytes: each thread keeps its own blocks' weight row sums.
+void run_bytes(Int8Bytes f, const Problem& p, int num_threads) {
+  const int64_t num_blocks = (p.N + 3) / 4;
+#pragma omp parallel num_threads(num_threads) if (worth_threads(p, num_threads)) firstprivate(f)
+  {
+    int64_t sums[Int8Bytes::kMaxBlockRows];
+    f.bias_sums = sums;
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < num_blocks; ++b) row_block<4>(f, p, b);
+  }
+}
+#endif
+
 #if defined(LLMP_TILES)
 // As run(), on AMX tiles: every thread configures its tiles first.
 template <typename Fmt>
@@ -69,6 +83,15 @@ int llmp_gemm_int8(const float* x, int64_t M, int64_t K, int64_t ldx, const int8
     if (!tile_scratch) return -1;
     run_tiles(TilesInt8::prepare(w, scales, p, tile_scratch, int8_activations), p, num_threads);
     free(tile_scratch);
+    return 0;
+  }
+#endif
+#if defined(__AVX512VNNI__)
+  if (int8_activations && M >= kW8A8ByteMinRows) {
+    float* byte_scratch = static_cast<float*>(malloc(sizeof(float) * int8_bytes_floats(M, K)));
+    if (!byte_scratch) return -1;
+    run_bytes(prepare_int8_bytes(w, scales, x, M, K, ldx, byte_scratch), p, num_threads);
+    free(byte_scratch);
     return 0;
   }
 #endif
