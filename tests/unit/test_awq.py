@@ -153,41 +153,51 @@ def load_runtime(model: torch.nn.Module, tensors: dict[str, torch.Tensor], pretr
     model.load_state_dict(state)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # GQA (4 heads, 2 KV); qwen2 adds a qkv bias
-def test_folded_scales_keep_the_logits(arch: str, request: pytest.FixtureRequest) -> None:
-    checkpoint: Path = request.getfixturevalue(f"tiny_{arch}_dir")
+Rewrite = Callable[[torch.nn.Module, dict[str, torch.Tensor], dict], None]
+
+
+def assert_rewrite_keeps_logits(checkpoint: Path, rewrite: Rewrite, changed: str) -> None:
+    """`rewrite(model, tensors, pretrained)` edits the runtime-layout tensors of `checkpoint`'s model in place:
+    tensor `changed` must differ afterwards, and the model loaded with the result give the same logits (to float
+    rounding)."""
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     ids = torch.tensor([[1, 17, 400, 33, 1200, 5, 9, 77, 801, 3]])
     with torch.no_grad():
         before = model(input_ids=ids).logits
     tensors, pretrained = to_runtime(model, checkpoint)
-    shape = Shape.of(pretrained)
+    rewrite(model, tensors, pretrained)
+    reference = to_runtime(model, checkpoint)[0]
+    assert not torch.allclose(tensors[changed], reference[changed])
+    load_runtime(model, tensors, pretrained)
+    with torch.no_grad():
+        after = model(input_ids=ids).logits
+    assert (after - before).abs().max() <= 1e-5 * before.abs().max()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # GQA (4 heads, 2 KV); qwen2 adds a qkv bias
+def test_folded_scales_keep_the_logits(arch: str, request: pytest.FixtureRequest) -> None:
     gen = torch.Generator().manual_seed(7)
 
     def scales(n: int) -> torch.Tensor:
         return torch.exp(torch.randn(n, generator=gen))  # 0.1x .. 10x: a fold error would show
 
-    for block in range(pretrained["num_hidden_layers"]):
-        fold_block_scales(
-            tensors,
-            block,
-            {
-                "attention.qkv": scales(pretrained["hidden_size"]),
-                "attention.dense": shape.tie_heads(scales(shape.heads * shape.head_dim)),
-                "mlp.gate_up": scales(pretrained["hidden_size"]),
-                "mlp.proj": scales(shape.intermediate),
-            },
-            shape,
-        )
-    reference = to_runtime(model, checkpoint)[0]
-    assert not torch.allclose(
-        tensors["transformer.layers.0.attention.qkv.weight"],
-        reference["transformer.layers.0.attention.qkv.weight"],
-    )
-    load_runtime(model, tensors, pretrained)
-    with torch.no_grad():
-        after = model(input_ids=ids).logits
-    assert (after - before).abs().max() <= 1e-5 * before.abs().max()
+    def fold(model: torch.nn.Module, tensors: dict[str, torch.Tensor], pretrained: dict) -> None:
+        shape = Shape.of(pretrained)
+        for block in range(pretrained["num_hidden_layers"]):
+            fold_block_scales(
+                tensors,
+                block,
+                {
+                    "attention.qkv": scales(pretrained["hidden_size"]),
+                    "attention.dense": shape.tie_heads(scales(shape.heads * shape.head_dim)),
+                    "mlp.gate_up": scales(pretrained["hidden_size"]),
+                    "mlp.proj": scales(shape.intermediate),
+                },
+                shape,
+            )
+
+    checkpoint: Path = request.getfixturevalue(f"tiny_{arch}_dir")
+    assert_rewrite_keeps_logits(checkpoint, fold, "transformer.layers.0.attention.qkv.weight")
 
 
 def test_activation_aware_scaling_without_clipping_keeps_the_logits(
@@ -195,11 +205,6 @@ def test_activation_aware_scaling_without_clipping_keeps_the_logits(
 ) -> None:
     """apply_activation_aware_scales' own scale-and-fold path, with the searches replaced: random scales
     (tied the way the search is told to tie them) and no clipping, the one step that changes the function."""
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
-    ids = torch.tensor([[1, 17, 400, 33, 1200, 5, 9, 77, 801, 3]])
-    with torch.no_grad():
-        before = model(input_ids=ids).logits
-    tensors, pretrained = to_runtime(model, tiny_llama_dir)
     gen = torch.Generator().manual_seed(11)
 
     def random_scales(
@@ -214,21 +219,17 @@ def test_activation_aware_scaling_without_clipping_keeps_the_logits(
 
     monkeypatch.setattr("pipeline.quantize.awq.search_scales", random_scales)
     monkeypatch.setattr("pipeline.quantize.awq.search_clip", lambda weight, moment, fmt: weight)
-    stats: dict[str, InputStats] = {}
-    for name, module in HF_INPUT_MODULES.items():
-        in_features = model.model.layers[0].get_submodule(module).in_features
-        stats[name] = stats_of(torch.randn(64, in_features, generator=gen))
-    block_stats = ((block, stats) for block in range(pretrained["num_hidden_layers"]))
-    facts = apply_activation_aware_scales(tensors, pretrained, block_stats, INT4_G64, progress=False)
-    assert facts["alpha"]["attention.qkv"] == [0.5] * pretrained["num_hidden_layers"]
-    reference = to_runtime(model, tiny_llama_dir)[0]
-    assert not torch.allclose(
-        tensors["transformer.layers.0.mlp.proj.weight"], reference["transformer.layers.0.mlp.proj.weight"]
-    )
-    load_runtime(model, tensors, pretrained)
-    with torch.no_grad():
-        after = model(input_ids=ids).logits
-    assert (after - before).abs().max() <= 1e-5 * before.abs().max()
+
+    def scale(model: torch.nn.Module, tensors: dict[str, torch.Tensor], pretrained: dict) -> None:
+        stats: dict[str, InputStats] = {}
+        for name, module in HF_INPUT_MODULES.items():
+            in_features = model.model.layers[0].get_submodule(module).in_features
+            stats[name] = stats_of(torch.randn(64, in_features, generator=gen))
+        block_stats = ((block, stats) for block in range(pretrained["num_hidden_layers"]))
+        facts = apply_activation_aware_scales(tensors, pretrained, block_stats, INT4_G64, progress=False)
+        assert facts["alpha"]["attention.qkv"] == [0.5] * pretrained["num_hidden_layers"]
+
+    assert_rewrite_keeps_logits(tiny_llama_dir, scale, "transformer.layers.0.mlp.proj.weight")
 
 
 def test_fold_refuses_dense_scales_that_differ_within_a_kv_group(tiny_llama_dir: Path) -> None:

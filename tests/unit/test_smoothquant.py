@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from transformers import AutoModelForCausalLM
 
 from pipeline.config.build_config import load_build_config
 from pipeline.errors import ConfigError
@@ -15,7 +14,7 @@ from pipeline.quantize.awq_search import InputStats
 from pipeline.quantize.calibration import HF_INPUT_MODULES
 from pipeline.quantize.smoothquant import apply_smoothquant, smoothing_scales
 from pipeline.runtime.quant import primitives
-from tests.unit.test_awq import load_runtime, stats_of, to_runtime
+from tests.unit.test_awq import assert_rewrite_keeps_logits, stats_of
 
 
 def outlier_inputs(tokens: int, in_features: int, outliers: list[int], gen: torch.Generator) -> torch.Tensor:
@@ -59,30 +58,22 @@ def test_smoothing_cuts_the_w8a8_error_of_outlier_channels(alpha: float) -> None
 def test_smoothing_keeps_the_logits(arch: str, request: pytest.FixtureRequest) -> None:
     """Smoothing alone (before any rounding) computes the same function: every scale is folded into what
     feeds its layer, the dense layer's tied within each KV group."""
-    checkpoint: Path = request.getfixturevalue(f"tiny_{arch}_dir")
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    ids = torch.tensor([[1, 17, 400, 33, 1200, 5, 9, 77, 801, 3]])
-    with torch.no_grad():
-        before = model(input_ids=ids).logits
-    tensors, pretrained = to_runtime(model, checkpoint)
     gen = torch.Generator().manual_seed(11)
-    stats: dict[str, InputStats] = {}
-    for name, module in HF_INPUT_MODULES.items():
-        in_features = model.model.layers[0].get_submodule(module).in_features
-        stats[name] = stats_of(outlier_inputs(64, in_features, [1, in_features // 2], gen))
-    block_stats = ((block, stats) for block in range(pretrained["num_hidden_layers"]))
-    facts = apply_smoothquant(tensors, pretrained, block_stats, 0.5, progress=False)
-    for name in HF_INPUT_MODULES:  # the smoothed inputs' largest channel is closer to the mean one
-        assert facts["activation_peak_to_mean_after"][name] < facts["activation_peak_to_mean_before"][name]
-    reference = to_runtime(model, checkpoint)[0]
-    assert not torch.allclose(
-        tensors["transformer.layers.0.input_layernorm.weight"],
-        reference["transformer.layers.0.input_layernorm.weight"],
-    )
-    load_runtime(model, tensors, pretrained)
-    with torch.no_grad():
-        after = model(input_ids=ids).logits
-    assert (after - before).abs().max() <= 1e-5 * before.abs().max()
+
+    def smooth(model: torch.nn.Module, tensors: dict[str, torch.Tensor], pretrained: dict) -> None:
+        stats: dict[str, InputStats] = {}
+        for name, module in HF_INPUT_MODULES.items():
+            in_features = model.model.layers[0].get_submodule(module).in_features
+            stats[name] = stats_of(outlier_inputs(64, in_features, [1, in_features // 2], gen))
+        block_stats = ((block, stats) for block in range(pretrained["num_hidden_layers"]))
+        facts = apply_smoothquant(tensors, pretrained, block_stats, 0.5, progress=False)
+        for name in HF_INPUT_MODULES:  # the smoothed inputs' largest channel is closer to the mean one
+            assert (
+                facts["activation_peak_to_mean_after"][name] < facts["activation_peak_to_mean_before"][name]
+            )
+
+    checkpoint: Path = request.getfixturevalue(f"tiny_{arch}_dir")
+    assert_rewrite_keeps_logits(checkpoint, smooth, "transformer.layers.0.input_layernorm.weight")
 
 
 def write_config(tmp_path: Path, backend: str, quantization: dict) -> Path:

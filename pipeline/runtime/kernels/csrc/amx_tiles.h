@@ -145,6 +145,26 @@ inline void prefetch_rows(const char* block, int64_t row_bytes, int64_t steps, i
   for (int r = 0; r < kTileRows; ++r) _mm_prefetch(line + r * row_bytes, _MM_HINT_T0);
 }
 
+// out = (C0 + C1) + (C2 + C3), the four C tiles' sums for W activation rows: fp32 (bf16 tiles) or int32 (int8).
+template <typename T>
+inline void sum_accumulators(int64_t W, T out[kTileRows * kTileRows]) {
+  const int64_t ldb = 4 * W;
+  alignas(64) T parts[4][kTileRows * kTileRows];
+  _tile_stored(0, parts[0], ldb);
+  _tile_stored(1, parts[1], ldb);
+  _tile_stored(2, parts[2], ldb);
+  _tile_stored(3, parts[3], ldb);
+  const auto add = [](__m512 a, __m512 b) {
+    if constexpr (std::is_same_v<T, float>)
+      return _mm512_add_ps(a, b);
+    else
+      return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+  };
+  const auto load = [&](int j, int64_t i) { return _mm512_load_ps(reinterpret_cast<const float*>(parts[j] + i)); };
+  for (int64_t i = 0; i < kTileRows * W; i += 16)
+    _mm512_store_ps(reinterpret_cast<float*>(out + i), add(add(load(0, i), load(1, i)), add(load(2, i), load(3, i))));
+}
+
 // Column i of a stored C tile (16 rows of W 32-bit values): the 16 weight rows' outputs for activation row i.
 inline __m512i tile_column(const void* block, int64_t W, int64_t i) {
   const __m512i index = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
@@ -215,18 +235,6 @@ struct TilesBF16 {
     sum_accumulators(W, out);
   }
 
-  // out = (C0 + C1) + (C2 + C3), the C tiles' sums for W activation rows.
-  static void sum_accumulators(int64_t W, float out[kTileRows * kTileRows]) {
-    const int64_t ldb = 4 * W;
-    alignas(64) float parts[4][kTileRows * kTileRows];
-    _tile_stored(0, parts[0], ldb);
-    _tile_stored(1, parts[1], ldb);
-    _tile_stored(2, parts[2], ldb);
-    _tile_stored(3, parts[3], ldb);
-    for (int64_t i = 0; i < kTileRows * W; i += 16)
-      _mm512_store_ps(out + i, _mm512_add_ps(_mm512_add_ps(_mm512_load_ps(parts[0] + i), _mm512_load_ps(parts[1] + i)),
-                                             _mm512_add_ps(_mm512_load_ps(parts[2] + i), _mm512_load_ps(parts[3] + i))));
-  }
 
   // One k-step into C tile kAcc: the 16 weight rows' 32 k at a (row stride lda bytes) against the packed
   // activations at b (row stride ldb bytes). Weight and activation tiles alternate between two registers each
@@ -422,16 +430,7 @@ struct TilesInt8 {
     if (c < steps) step(A0{}, c);
     if (++c < steps) step(A1{}, c);
     if (++c < steps) step(A2{}, c);
-    alignas(64) int32_t parts[4][kTileRows * kTileRows];
-    _tile_stored(0, parts[0], ldb);
-    _tile_stored(1, parts[1], ldb);
-    _tile_stored(2, parts[2], ldb);
-    _tile_stored(3, parts[3], ldb);
-    for (int64_t i = 0; i < kTileRows * W; i += 16)
-      _mm512_store_si512(dots + i, _mm512_add_epi32(_mm512_add_epi32(_mm512_load_si512(parts[0] + i),
-                                                                     _mm512_load_si512(parts[1] + i)),
-                                                    _mm512_add_epi32(_mm512_load_si512(parts[2] + i),
-                                                                     _mm512_load_si512(parts[3] + i))));
+    sum_accumulators(W, dots);
   }
 
   void whole_block(const Problem& p, int64_t n0) const {
@@ -504,7 +503,7 @@ struct TilesInt4 {
         for (int64_t k = g0; k < g1; k += kBf16TileK) activations.step(p, 0, k / kBf16TileK, tile + (k - g0), 2 * width);
       }
       alignas(64) float out[kTileRows * kTileRows];
-      TilesBF16::sum_accumulators(tile_width(p.M), out);
+      sum_accumulators(tile_width(p.M), out);
       TilesBF16::put_rows(p, n0, 0, out);
       return;
     }

@@ -429,18 +429,19 @@ inline void tile_sums(const V acc[NB][MB], T out[NB][MB]) {
   for (; i < n; ++i) out[i / MB][i % MB] = vsum(acc[i / MB][i % MB]);
 }
 
-// Exact integer dots of NB int8 weight rows (row stride K) with MB int16 activation rows (row stride K).
-template <typename V, int NB, int MB>
-inline void int8_block(const int16_t* x, const int8_t* w, int64_t K, const void* next, int64_t out[NB][MB]) {
-  using I = typename IntForm<V>::type;
-  constexpr int step = 2 * kStep;
+// Exact integer dots of NB int8 weight rows (row stride K) with MB integer activation rows (row stride K): k-steps
+// of `step` loaded as form O into int32 accumulators A, folded into int64 every `span` k (before any lane can
+// overflow), the k past the last whole step one by one.
+template <typename O, typename A, int NB, int MB, typename TX>
+inline void exact_dots(const TX* x, const int8_t* w, int64_t K, int step, int64_t span, const void* next,
+                       int64_t out[NB][MB]) {
   for (int r = 0; r < NB; ++r)
     for (int m = 0; m < MB; ++m) out[r][m] = 0;
   const int64_t vec_end = K / step * step;
-  for (int64_t k0 = 0; k0 < vec_end; k0 += kActSpan) {
-    I acc[NB][MB];
-    zero_tile<I, NB, MB>(acc);
-    tile_steps<I, NB, MB>(x, K, w, K, k0, k0 + kActSpan < vec_end ? k0 + kActSpan : vec_end, step, next, acc);
+  for (int64_t k0 = 0; k0 < vec_end; k0 += span) {
+    A acc[NB][MB];
+    zero_tile<A, NB, MB>(acc);
+    tile_steps<O, NB, MB>(x, K, w, K, k0, k0 + span < vec_end ? k0 + span : vec_end, step, next, acc);
     int32_t sums[NB][MB];
     tile_sums<NB, MB>(acc, sums);
     for (int r = 0; r < NB; ++r)
@@ -449,6 +450,13 @@ inline void int8_block(const int16_t* x, const int8_t* w, int64_t K, const void*
   for (int r = 0; r < NB; ++r)
     for (int m = 0; m < MB; ++m)
       for (int64_t t = vec_end; t < K; ++t) out[r][m] += int64_t{w[r * K + t]} * x[m * K + t];
+}
+
+// Exact integer dots of NB int8 weight rows with MB int16 activation rows.
+template <typename V, int NB, int MB>
+inline void int8_block(const int16_t* x, const int8_t* w, int64_t K, const void* next, int64_t out[NB][MB]) {
+  using I = typename IntForm<V>::type;
+  exact_dots<I, I, NB, MB>(x, w, K, 2 * kStep, kActSpan, next, out);
 }
 
 struct Problem {
@@ -822,27 +830,6 @@ inline void vdot(const ByteLanes& w, const ByteLanes& x, WideInt& acc) {
   asm("vpdpbusd %2, %1, %0" : "+v"(acc.v) : "v"(x.v), "v"(w.v));
 }
 
-// Exact integer dots of NB int8 weight rows (row stride K) with MB rows of biased activation bytes.
-template <int NB, int MB>
-inline void byte_block(const uint8_t* x, const int8_t* w, int64_t K, const void* next, int64_t out[NB][MB]) {
-  for (int r = 0; r < NB; ++r)
-    for (int m = 0; m < MB; ++m) out[r][m] = 0;
-  const int64_t vec_end = K / kByteStep * kByteStep;
-  for (int64_t k0 = 0; k0 < vec_end; k0 += kByteSpan) {
-    WideInt acc[NB][MB];
-    zero_tile<WideInt, NB, MB>(acc);
-    tile_steps<ByteLanes, NB, MB>(x, K, w, K, k0, k0 + kByteSpan < vec_end ? k0 + kByteSpan : vec_end, kByteStep,
-                                  next, acc);
-    int32_t sums[NB][MB];
-    tile_sums<NB, MB>(acc, sums);
-    for (int r = 0; r < NB; ++r)
-      for (int m = 0; m < MB; ++m) out[r][m] += sums[r][m];
-  }
-  for (int r = 0; r < NB; ++r)
-    for (int m = 0; m < MB; ++m)
-      for (int64_t t = vec_end; t < K; ++t) out[r][m] += int64_t{w[r * K + t]} * x[m * K + t];
-}
-
 // int8 weights with W8A8 activations: `xb` this thread's copy of the levels + 128 ([M, K]), `xs` their scales,
 // `bias_sums` this thread's [kMaxBlockRows]: 128 x each weight row's sum for the current block.
 struct Int8Bytes {
@@ -875,7 +862,7 @@ struct Int8Bytes {
   void block(const Problem& p, int64_t n0, int64_t m0, float out[NB][MB]) const {
     const int8_t* wb = w + n0 * p.K;
     int64_t dots[NB][MB];
-    byte_block<NB, MB>(xb + m0 * p.K, wb, p.K, wb + NB * p.K, dots);
+    exact_dots<ByteLanes, WideInt, NB, MB>(xb + m0 * p.K, wb, p.K, kByteStep, kByteSpan, wb + NB * p.K, dots);
     for (int r = 0; r < NB; ++r)
       for (int m = 0; m < MB; ++m) out[r][m] = static_cast<float>(dots[r][m] - bias_sums[r]) * xs[m0 + m];
   }
