@@ -135,7 +135,7 @@ _OPENAI_URL = re.compile(r"/v1/?$")
 )
 @click.option(
     "--precision",
-    type=click.Choice(["fp32", "int8", "int4"]),
+    type=click.Choice(["fp32", "bf16", "int8", "w8a8", "int4"]),
     help="Precision of the target, for its measurement keys and the ratio table. Default with CONFIG: from "
     "quantization.mode.",
 )

@@ -869,18 +869,18 @@ struct Int8Bytes {
   float scale(int64_t n) const { return scales[n]; }
 };
 
-// Floats of scratch prepare_int8_bytes takes for M rows of K: the block's row sums, the row scales, the int16
-// levels, their bytes.
+// Floats of scratch prepare_int8_bytes takes for M rows of K: the block's row sums (8-byte aligned), the row
+// scales, the int16 levels, their bytes.
 inline int64_t int8_bytes_floats(int64_t M, int64_t K) {
-  return 2 * Int8Bytes::kMaxBlockRows + M + (M * K + 1) / 2 + (M * K + 3) / 4;
+  return 1 + 2 * Int8Bytes::kMaxBlockRows + M + (M * K + 1) / 2 + (M * K + 3) / 4;
 }
 
 // Rounds the rows x [M, K] (row stride ldx) to W8A8 levels (quantize_rows_int16 at kW8A8QMax) into `scratch`
 // and biases them to bytes.
 inline Int8Bytes prepare_int8_bytes(const int8_t* w, const float* scales, const float* x, int64_t M, int64_t K,
                                     int64_t ldx, float* scratch) {
-  auto* sums = reinterpret_cast<int64_t*>(scratch);
-  float* xs = scratch + 2 * Int8Bytes::kMaxBlockRows;
+  auto* sums = reinterpret_cast<int64_t*>((reinterpret_cast<uintptr_t>(scratch) + 7) & ~uintptr_t{7});
+  float* xs = reinterpret_cast<float*>(sums + Int8Bytes::kMaxBlockRows);
   auto* xq = reinterpret_cast<int16_t*>(xs + M);
   auto* xb = reinterpret_cast<uint8_t*>(xq + M * K);
   quantize_rows_int16(x, M, K, ldx, xq, xs, kW8A8QMax);
