@@ -119,7 +119,7 @@ class FusedDecoder:
         ]
         moes = [layer.moe for layer in layers if layer.moe is not None]
         # The plan rounds the activations of all its int8 layers one way (int16 levels, or int8 for w8a8).
-        schemes = {lin.scheme for lin in _all_linears(layers) if isinstance(lin, QuantLinear)}
+        schemes = {lin.scheme for lin in linears if isinstance(lin, QuantLinear)}
         if {"int8", "w8a8"} <= schemes:
             return None
         if not all(lin is not None and _runs_on_kernel(lin) for lin in linears) or not all(
