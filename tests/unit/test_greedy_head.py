@@ -36,3 +36,20 @@ def test_ties_go_to_the_first_token() -> None:
     weight = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
     weight[40] = weight[7] = weight.abs().max() * 4 * torch.ones(32)
     assert GreedyLMHead(weight)(torch.ones(2, 32)) == [7, 7]
+
+
+def test_argmax_survives_the_activation_rounding_of_the_screen() -> None:
+    """The screen rounds each row to int16 levels (step amax / 16383). Here one large activation sets that step and
+    575 small ones sit just under half of it, so all of them round to zero: token 0's weights meet only the small
+    ones and its screened logit is 0, while its exact logit beats token 1's, which meets only the large one."""
+    K, big = 576, 16383.0
+    step = big / 16383.0
+    x = torch.full((1, K), step * (0.5 - 2**-10))
+    x[0, 0] = big
+    small_sum = float(x[0, 1:].sum())
+    weight = torch.zeros(2, K)
+    weight[0, 1:] = 1.0
+    weight[1, 0] = 0.99 * small_sum / big
+    logits = kernels.gemm_f32(x, weight)
+    assert logits.argmax(dim=1).tolist() == [0]
+    assert GreedyLMHead(weight)(x) == [0]

@@ -165,12 +165,13 @@ def greedy_argmax(
     scales: torch.Tensor,
     weight: torch.Tensor,
     error_per_l1: torch.Tensor,
+    error_per_level: torch.Tensor,
 ) -> torch.Tensor:
     """argmax_v x[r] . weight[v] per row of x [R, K] (int64 [R], first maximum on ties), screening with the int8
-    copy (qweight [V, K], scales [V]) of weight [V, K]: exact when error_per_l1 [V] bounds, per unit of
-    ||x||_1, how far token v's int8 logit and its computed fp32 logit can each be from the true one. The exact
-    logits are gemm_f32's, bit for bit."""
-    return _op("greedy_argmax")(x, qweight, scales, weight, error_per_l1)
+    copy (qweight [V, K], scales [V]) of weight [V, K]: exact when, for token v, error_per_l1[v] * ||x||_1 +
+    error_per_level[v] * step (the row's int16 activation step, amax / 16383) bounds how far its screened logit
+    and its computed fp32 logit can each be from the true one. The exact logits are gemm_f32's, bit for bit."""
+    return _op("greedy_argmax")(x, qweight, scales, weight, error_per_l1, error_per_level)
 
 
 def paged_attention(

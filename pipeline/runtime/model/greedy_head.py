@@ -32,6 +32,12 @@ class GreedyLMHead:
         # <= hidden * u * ||x||_1 * max|w|, and max|w| = 127 * scale; twice that (each side) plus margin is the
         # second term, and the last factor covers the rounding of the bound arithmetic itself.
         self.error_per_l1 = (self.scales * (0.5 + 4 * hidden * _U * 127) * (1 + 2**-10)).contiguous()
+        # NOTE: the screen also rounds each row to int16 levels of step amax / 16383 (quantize_rows_int16), which
+        # moves token v's approximate logit by at most scale_v * sum_i |q_v,i| * step / 2: the kernel multiplies
+        # this by the row's step.
+        self.error_per_level = (
+            self.scales * self.qweight.abs().sum(dim=1, dtype=torch.float64).float() * 0.5 * (1 + 2**-10)
+        ).contiguous()
 
     @staticmethod
     def supports(weight: torch.Tensor) -> bool:
@@ -40,4 +46,6 @@ class GreedyLMHead:
     def __call__(self, x: torch.Tensor) -> list[int]:
         """x [R, hidden] (final-normed rows) -> argmax token id per row (one kernel call: the int8 screen,
         then exact fp32 logits for the tokens whose bounds reach the best one's)."""
-        return greedy_argmax(x, self.qweight, self.scales, self.weight, self.error_per_l1).tolist()
+        return greedy_argmax(
+            x, self.qweight, self.scales, self.weight, self.error_per_l1, self.error_per_level
+        ).tolist()

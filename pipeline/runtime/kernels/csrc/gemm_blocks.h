@@ -129,17 +129,29 @@ inline __m512 lane_sums16(const __m512 a[16]) {
 template <int NB, int MB, typename V, typename T>
 inline void tile_sums(const V acc[NB][MB], T out[NB][MB]);
 
+// fp32 weights in tiles of several activation rows prefetch kFarAheadBlocks blocks ahead into L2, not one block
+// ahead into L1: such a block takes long enough to multiply that the L1 prefetches (a few line-fill buffers,
+// each held for a DRAM round trip) left the weight stream behind. fp32 decoder layers on an AMX Xeon (2 threads,
+// `scripts/bench_kernels.py ab`), L1 one ahead / L2 three ahead: 2 rows 22.1 / 20.7 ms, 4 rows 23.0 / 19.5,
+// 16 rows 41.3 / 35.0. One row (bound by the stream itself) was 2-5 % slower that way; bf16 weights without
+// AMX ran alike and int8 weights 10-20 % slower at 4-8 rows, so those keep L1 one block ahead.
+constexpr int kFarPrefetchMinRows = 2;
+constexpr int64_t kFarAheadBlocks = 3;
+
 // The register tile every format shares: over the k-steps of `step` elements in [k0, k1), MB activation vectors
 // (form O, rows of x with stride ldx) and one weight vector at a time (rows of w with stride ldw), multiplied
-// into acc[NB][MB] by vdot; the weights after the block (`next`) are streamed into cache one step ahead.
+// into acc[NB][MB] by vdot; the weights from `next` (where the following block starts; a block that is no
+// stream passes its own w) are streamed into cache a step at a time, further ahead for many rows (above).
 // NOTE: each (row, activation) dot is summed in the same order whatever the form, NB and MB are.
 template <typename O, int NB, int MB, typename A, typename TX, typename TW>
 inline void tile_steps(const TX* x, int64_t ldx, const TW* w, int64_t ldw, int64_t k0, int64_t k1, int step,
                        const void* next, A acc[NB][MB]) {
+  constexpr bool far = std::is_same_v<TW, float> && MB >= kFarPrefetchMinRows;
   const char* pf = static_cast<const char*>(next);
+  if constexpr (far) pf += (kFarAheadBlocks - 1) * (pf - reinterpret_cast<const char*>(w));
   for (int64_t k = k0; k + step <= k1; k += step) {
     for (int j = 0; j < NB * step * int(sizeof(TW)); j += 64)
-      _mm_prefetch(pf + k * NB * int64_t{sizeof(TW)} + j, _MM_HINT_T0);
+      _mm_prefetch(pf + k * NB * int64_t{sizeof(TW)} + j, far ? _MM_HINT_T1 : _MM_HINT_T0);
     O xv[MB];
     #pragma GCC unroll 16
     for (int m = 0; m < MB; ++m) vload(xv[m], x + m * ldx + k);

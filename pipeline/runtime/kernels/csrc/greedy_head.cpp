@@ -15,7 +15,8 @@ extern "C" void llmp_gemm_int8(const float* x, int64_t M, int64_t K, int64_t ldx
 namespace llmp {
 
 void greedy_argmax_int8(const float* x, int64_t R, int64_t K, const int8_t* qweight, const float* scales,
-                        const float* weight, int64_t V, const float* error_per_l1, int num_threads, int64_t* out) {
+                        const float* weight, int64_t V, const float* error_per_l1, const float* error_per_level,
+                        int num_threads, int64_t* out) {
   const std::unique_ptr<float[]> approx(new float[R * V]);
   llmp_gemm_int8(x, R, K, K, qweight, scales, nullptr, approx.get(), V, false, num_threads);
 
@@ -25,19 +26,24 @@ void greedy_argmax_int8(const float* x, int64_t R, int64_t K, const int8_t* qwei
   for (int64_t r = 0; r < R; ++r) {
     const float* xr = x + r * K;
     const float* a = approx.get() + r * V;
-    float l1 = 0.0f;
-    for (int64_t k = 0; k < K; ++k) l1 += fabsf(xr[k]);
-    // Token v's exact logit lies within a[v] -+ l1 * error_per_l1[v]; it can be the argmax only if its upper
-    // bound reaches the best lower bound.
-    float best_lower = a[0] - l1 * error_per_l1[0];
+    float l1 = 0.0f, amax = 0.0f;
+    for (int64_t k = 0; k < K; ++k) {
+      l1 += fabsf(xr[k]);
+      amax = fmaxf(amax, fabsf(xr[k]));
+    }
+    const float step = act_scale(amax, kActQMax);  // the screen's activation levels (quantize_rows_int16)
+    const auto error = [&](int64_t v) { return l1 * error_per_l1[v] + step * error_per_level[v]; };
+    // Token v's exact logit lies within a[v] -+ error(v); it can be the argmax only if its upper bound reaches
+    // the best lower bound.
+    float best_lower = a[0] - error(0);
     for (int64_t v = 1; v < V; ++v) {
-      const float lower = a[v] - l1 * error_per_l1[v];
+      const float lower = a[v] - error(v);
       best_lower = lower > best_lower ? lower : best_lower;
     }
     int64_t best = -1;
     float best_logit = 0.0f;
     for (int64_t v = 0; v < V; ++v) {
-      if (a[v] + l1 * error_per_l1[v] < best_lower) continue;
+      if (a[v] + error(v) < best_lower) continue;
       // NOTE: dense_block's per-row summation order depends neither on its block shape nor on its vector form,
       // so this equals the logit gemm_f32 computes for the same row (the sampling path's logits) bit for bit.
       float logit[1][1];

@@ -122,19 +122,22 @@ at::Tensor dequant_int4(const at::Tensor& packed, const at::Tensor& scales, cons
 }
 
 at::Tensor greedy_argmax(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
-                         const at::Tensor& weight, const at::Tensor& error_per_l1) {
+                         const at::Tensor& weight, const at::Tensor& error_per_l1,
+                         const at::Tensor& error_per_level) {
   TORCH_CHECK(weight.dim() == 2, "weight: expected [V, K]");
   const int64_t V = weight.size(0), K = weight.size(1);
   expect(weight, at::kFloat, {V, K}, "weight");
   expect(qweight, at::kChar, {V, K}, "qweight");
   expect(scales, at::kFloat, {V}, "scales");
   expect(error_per_l1, at::kFloat, {V}, "error_per_l1");
+  expect(error_per_level, at::kFloat, {V}, "error_per_level");
   TORCH_CHECK(V > 0, "weight: empty vocabulary");
   const at::Tensor x = activations(x_in, K).contiguous();
   at::Tensor out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
   llmp::greedy_argmax_int8(x.const_data_ptr<float>(), x.size(0), K, qweight.const_data_ptr<int8_t>(),
                            scales.const_data_ptr<float>(), weight.const_data_ptr<float>(), V,
-                           error_per_l1.const_data_ptr<float>(), at::get_num_threads(),
+                           error_per_l1.const_data_ptr<float>(), error_per_level.const_data_ptr<float>(),
+                           at::get_num_threads(),
                            out.mutable_data_ptr<int64_t>());
   return out;
 }
@@ -259,7 +262,8 @@ TORCH_LIBRARY(llmpipe_quant, m) {
   m.def("gemm_int4(Tensor x, Tensor packed, Tensor scales, Tensor zeros, int group_size, Tensor? bias) -> Tensor");
   m.def("dequant_int8(Tensor qweight, Tensor scales) -> Tensor");
   m.def("dequant_int4(Tensor packed, Tensor scales, Tensor zeros, int group_size) -> Tensor");
-  m.def("greedy_argmax(Tensor x, Tensor qweight, Tensor scales, Tensor weight, Tensor error_per_l1) -> Tensor");
+  m.def("greedy_argmax(Tensor x, Tensor qweight, Tensor scales, Tensor weight, Tensor error_per_l1, "
+        "Tensor error_per_level) -> Tensor");
   m.def(
       "paged_attention(Tensor(a!) qkv, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor(d!)? k_scales, "
       "Tensor(e!)? v_scales, Tensor cos_sin, Tensor positions, Tensor slots, Tensor block_tables, Tensor token_seq, "
