@@ -16,6 +16,7 @@ from pipeline.runtime.core.scheduler import SchedulerConfig
 from pipeline.runtime.engine.engine_args import RunnerArgs
 from pipeline.runtime.engine.llm_engine import LLMEngine
 from pipeline.runtime.kernels import ops as kernels
+from pipeline.runtime.model.layers import DenseLinear
 from pipeline.runtime.worker.model_runner import ModelRunner
 from tests.serving_helpers import build_tiny_engine
 
@@ -51,8 +52,16 @@ def test_layer_weights_are_bf16_and_the_rest_fp32(bf16_runner: ModelRunner) -> N
         for linear in (layer.qkv, layer.dense, layer.gate_up, layer.proj):
             assert linear.weight.dtype == torch.bfloat16  # type: ignore[attr-defined]
         assert layer.input_norm.dtype == torch.float32
-    assert weights.embedding.dtype == torch.float32
     assert bf16_runner.dtype == torch.float32  # activations, KV cache
+    assert weights.embedding.dtype == torch.float32  # untied here
+    # The lm_head stays as stored: fp32 arithmetic on its widened values where the kernels run.
+    head = weights.lm_head
+    assert isinstance(head, DenseLinear)
+    assert head.widened == kernels.kernels_available()
+    assert head.weight.dtype == (torch.bfloat16 if head.widened else torch.float32)
+    model, x = bf16_runner.model, torch.randn(3, head.weight.shape[1])
+    normed = model.norm(x.clone(), None, weights.final_norm)
+    assert torch.equal(model.compute_logits(x.clone()), DenseLinear(head.weight.float())(normed))
     if kernels.kernels_available():
         assert bf16_runner.model.fused is not None  # decode steps take the kernel's bf16 path
 

@@ -676,7 +676,7 @@ dense = lambda o, i: DenseLinear(torch.randn(o, i))
 layer = LayerWeights(torch.ones(64), dense(128, 64), dense(64, 64), torch.ones(64), dense(192, 64), dense(64, 96))
 embedding = torch.randn(50, 64)
 weights = ModelWeights(embedding, [layer], torch.ones(64), DenseLinear(embedding))
-print(FusedDecoder.build(config, weights), GreedyLMHead.supports(embedding))
+print(FusedDecoder.build(config, weights), GreedyLMHead.supports(weights.lm_head))
 """
 
 

@@ -7,6 +7,7 @@ import torch
 
 from pipeline.runtime.kernels import ops as kernels
 from pipeline.runtime.model.greedy_head import GreedyLMHead
+from pipeline.runtime.model.layers import DenseLinear
 
 pytestmark = pytest.mark.skipif(
     not kernels.kernels_available(), reason=f"kernels unavailable: {kernels.kernels_unavailable_reason()}"
@@ -53,3 +54,22 @@ def test_argmax_survives_the_activation_rounding_of_the_screen() -> None:
     logits = kernels.gemm_f32(x, weight)
     assert logits.argmax(dim=1).tolist() == [0]
     assert GreedyLMHead(weight)(x) == [0]
+
+
+@pytest.mark.parametrize("rows", [1, 16])
+def test_a_bf16_weight_widened_gives_the_fp32_argmax(rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(3001, 96, generator=gen).bfloat16()
+    weight[1:200] = weight[0]  # exact ties with token 0 in bf16
+    weight[1:200, :4] += torch.randn(199, 4, generator=gen).bfloat16() * 1e-2
+    x = torch.randn(rows, 96, generator=gen)
+    x[0] = weight[0].float()
+    want = kernels.gemm_f32(x, weight.float()).argmax(dim=1).tolist()
+    assert GreedyLMHead(weight)(x) == GreedyLMHead(weight.float())(x) == want
+
+
+def test_only_heads_with_fp32_logits_are_screened() -> None:
+    weight = torch.randn(64, 32)
+    assert GreedyLMHead.supports(DenseLinear(weight))
+    assert GreedyLMHead.supports(DenseLinear(weight.bfloat16(), widened=True))
+    assert not GreedyLMHead.supports(DenseLinear(weight.bfloat16()))  # its logits multiply bf16-rounded rows

@@ -27,6 +27,7 @@ from pipeline.runtime.core.sampling_params import SamplingParams
 from pipeline.runtime.engine.engine_args import RunnerArgs
 from pipeline.runtime.engine_config import load_engine_config, model_config_from_dict
 from pipeline.runtime.kernels import build as kernel_build
+from pipeline.runtime.kernels import ops as kernels
 from pipeline.runtime.model.layers import DenseLinear
 from pipeline.runtime.model.rope import rotary_cos_sin
 from pipeline.runtime.quant.linear import QuantLinear
@@ -236,7 +237,12 @@ def test_bf16_storage_is_computed_in_fp32_on_cpu(tiny_llama_dir: Path, tmp_path:
     with safe_open(tmp_path / "engine" / "rank0.safetensors", "pt") as f:
         assert f.get_tensor("lm_head.weight").dtype == torch.bfloat16
     runner = ModelRunner.from_engine_dir(tmp_path / "engine", RunnerArgs(device="cpu", kv_max_tokens=512))
-    assert runner.dtype == torch.float32 and runner.model.weights.embedding.dtype == torch.float32
+    weights = runner.model.weights
+    assert runner.dtype == torch.float32
+    # The bf16 lm_head is read widened (fp32 arithmetic on the stored values) where the kernels run.
+    stored = torch.bfloat16 if kernels.kernels_available() else torch.float32
+    assert weights.lm_head.weight.dtype == stored  # type: ignore[attr-defined]
+    assert runner.model.compute_logits(torch.randn(2, weights.final_norm.shape[0])).dtype == torch.float32
 
 
 @pytest.mark.parametrize(

@@ -69,7 +69,8 @@ def kernels_unavailable_reason() -> str:
 
 
 def gemm_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N]."""
+    """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N] in fp32; a bf16 weight is read as the fp32 values it
+    widens to (the same result as its fp32 copy, bit for bit)."""
     return _op("gemm_f32")(x, weight, bias)
 
 

@@ -41,7 +41,8 @@ class DecoderModel:
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids [T] -> final hidden states [T, hidden] (before the last norm)."""
         self.attention.begin_step(meta)
-        hidden = F.embedding(input_ids, self.weights.embedding)  # [T, hidden], the residual stream
+        # [T, hidden], the residual stream, in the compute dtype (a widened bf16 lm_head is the tied embedding)
+        hidden = F.embedding(input_ids, self.weights.embedding).to(self.weights.final_norm.dtype)
         if self.config.embedding_multiplier is not None:
             hidden.mul_(self.config.embedding_multiplier)
         if self.fused is not None and input_ids.shape[0] <= self.fused.max_rows:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from pipeline.runtime.kernels.ops import greedy_argmax, kernels_available
+from pipeline.runtime.model.layers import DenseLinear, Linear
 from pipeline.runtime.quant.primitives import quantize_int8_per_channel
 
 # Unit roundoff of fp32.
@@ -23,8 +24,8 @@ class GreedyLMHead:
     max_rows = 16
 
     def __init__(self, weight: torch.Tensor) -> None:
-        self.weight = weight  # [vocab, hidden] fp32
-        self.qweight, self.scales = quantize_int8_per_channel(weight)
+        self.weight = weight  # [vocab, hidden] fp32, or bf16 widened exactly (DenseLinear.widened)
+        self.qweight, self.scales = quantize_int8_per_channel(weight.float())
         hidden = weight.shape[1]
         # NOTE: |x.w - x.w_q| <= ||x||_1 * max_i |w_i - w_q,i| <= ||x||_1 * scale / 2 (round to nearest), per
         # token with its own scale: bounding every token by the largest scale instead left ~100x more
@@ -40,8 +41,13 @@ class GreedyLMHead:
         ).contiguous()
 
     @staticmethod
-    def supports(weight: torch.Tensor) -> bool:
-        return weight.device.type == "cpu" and weight.dtype == torch.float32 and kernels_available()
+    def supports(lm_head: Linear) -> bool:
+        """A dense CPU lm_head whose logits are fp32 ones: an fp32 weight, or a widened bf16 one."""
+        if not isinstance(lm_head, DenseLinear):
+            return False
+        weight = lm_head.weight
+        fp32_logits = weight.dtype == torch.float32 or lm_head.widened
+        return weight.device.type == "cpu" and fp32_logits and kernels_available()
 
     def __call__(self, x: torch.Tensor) -> list[int]:
         """x [R, hidden] (final-normed rows) -> argmax token id per row (one kernel call: the int8 screen,

@@ -23,9 +23,14 @@ class Linear(Protocol):
 
 
 class DenseLinear:
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    """y = x @ W.T (+ b). A bf16 weight multiplies x rounded to bf16, unless `widened`: then it holds fp32
+    values exactly (a bf16 checkpoint's) and the product is the fp32 one, as with the fp32 copy it widens to,
+    at half the bytes read (the lm_head of a bf16 checkpoint: the logits and the greedy head stay fp32)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, widened: bool = False) -> None:
         self.weight = weight  # [out, in]
         self.bias = bias
+        self.widened = widened
 
     @property
     def weight_bytes(self) -> int:
@@ -34,7 +39,7 @@ class DenseLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # Few-row fp32 CPU inputs (decode) take the hand-written GEMV, ~20% faster than MKL's here and
         # ~40% on the lm_head; everything else is F.linear.
-        if self.weight.dtype == torch.bfloat16 and x.dtype == torch.float32:
+        if self.weight.dtype == torch.bfloat16 and x.dtype == torch.float32 and not self.widened:
             return bf16_linear(x, self.weight, self.bias)
         return fp32_linear(x, self.weight, self.bias)
 

@@ -187,14 +187,34 @@ def _moe_weights(
     )
 
 
+def _widened_head(
+    tensors: Mapping[str, torch.Tensor], device: torch.device, dtype: torch.dtype
+) -> DenseLinear | None:
+    """The lm_head as stored, when it is a dense bf16 weight that fp32 compute on the CPU kernels can read
+    widened; None otherwise."""
+    from pipeline.runtime.kernels import ops as kernels
+
+    if "lm_head.weight" not in tensors or "lm_head.bias" in tensors:
+        return None
+    weight = tensors["lm_head.weight"]
+    if weight.dtype != torch.bfloat16 or dtype != torch.float32 or device.type != "cpu":
+        return None
+    if not kernels.kernels_available():
+        return None
+    return DenseLinear(weight.contiguous(), widened=True)
+
+
 def load_model_weights(
     config: EngineConfig,
     device: torch.device,
     dtype: torch.dtype,
     layer_weight_dtype: torch.dtype | None = None,
+    widened_head: bool = False,
 ) -> ModelWeights:
-    """The weights in `dtype`; the decoder layers' dense linear weights in `layer_weight_dtype` if given (the
-    embedding and lm_head keep `dtype`: the greedy head's exact logits read fp32)."""
+    """The weights in `dtype`; the decoder layers' dense linear weights in `layer_weight_dtype` if given. The
+    embedding and lm_head keep `dtype`, except with `widened_head`: a dense bf16 lm_head stays bf16 where fp32
+    compute on the CPU kernels reads it widened (DenseLinear.widened: the same logits, half the bytes a step
+    reads)."""
     path: Path = config.weights_path
     if not path.is_file():
         raise MissingArtifactError(f"{path} not found", hint="rebuild the engine (`llmpipe build`)")
@@ -233,7 +253,7 @@ def load_model_weights(
                     else None,
                 )
             )
-        lm_head = linear("lm_head")
+        lm_head = (widened_head and _widened_head(tensors, device, dtype)) or linear("lm_head")
         # Tied and dense: the embedding is the same matrix, so keep one copy in memory.
         if model.tie_word_embeddings and isinstance(lm_head, DenseLinear):
             embedding = lm_head.weight

@@ -164,8 +164,10 @@ class QuantLinear(torch.nn.Module):
 
 
 def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, but fp32 CPU inputs of few rows go to the hand GEMV (faster than torch's, e.g. for the
-    lm_head). `weight` [out, in] fp32 must be contiguous to take the kernel path."""
+    """F.linear in x's dtype, but fp32 CPU inputs of few rows go to the hand GEMV (faster than torch's, e.g.
+    for the lm_head). `weight` [out, in] is fp32, or bf16 taken as the fp32 values it widens to (the GEMV
+    reads it as it is: the same bits as from the widened copy, half the bytes); it must be contiguous to take
+    the kernel path."""
     if (
         x.dim() == 2
         and x.shape[0] <= max_kernel_rows("fp32")
@@ -175,7 +177,7 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return kernels.gemm_f32(x, weight, bias)
     if x.dim() > 2:  # the row count decides the path: flatten leading dims
         return fp32_linear(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
-    return F.linear(x, weight, bias)
+    return F.linear(x, weight.to(x.dtype), bias)
 
 
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -191,8 +193,8 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 def fp32_kernel_weight(weight: torch.Tensor) -> bool:
-    """Whether the fp32 GEMV can read `weight` [out, in] as it is: fp32, on the CPU, contiguous."""
-    return weight.dtype == torch.float32 and weight.is_cpu and weight.is_contiguous()
+    """Whether the fp32 GEMV can read `weight` [out, in] as it is: fp32 or bf16 (widened), CPU, contiguous."""
+    return weight.dtype in (torch.float32, torch.bfloat16) and weight.is_cpu and weight.is_contiguous()
 
 
 def _kernel_ok(x: torch.Tensor) -> bool:

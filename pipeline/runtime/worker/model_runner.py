@@ -76,7 +76,8 @@ class ModelRunner:
 
     Compute dtype: the model's dtype on CUDA. On CPU fp32, except that a bfloat16 engine keeps its decoder
     layers' linear weights in bf16 and feeds them bf16-rounded activations (fp32 accumulation; twice the
-    fp32 FMA rate where the CPU has AVX512_BF16); norms, attention, the KV cache and the head stay fp32.
+    fp32 FMA rate where the CPU has AVX512_BF16); norms, attention, the KV cache and the head's arithmetic stay
+    fp32 (a bf16 lm_head is read as stored and widened exactly).
     `RunnerArgs.num_threads` sets torch's (process-wide) thread count.
     `attention`: "kernel" = the compiled paged-attention kernel (CPU, fp32), "torch" = the portable torch path,
     "auto" = the kernel when it applies and builds. The KV cache is int8 when the engine's
@@ -101,7 +102,9 @@ class ModelRunner:
         # that c=16 decode steps stream through attention, twice the tokens in the same memory.
         kv_dtype = self.layer_weight_dtype
         self.tokens_per_block = build.plugin_config.tokens_per_block
-        weights = load_model_weights(engine_config, self.device, self.dtype, self.layer_weight_dtype)
+        weights = load_model_weights(
+            engine_config, self.device, self.dtype, self.layer_weight_dtype, widened_head=True
+        )
         # Sized after the weights are in memory, so "free memory" is what the cache can really use.
         self.num_kv_blocks = num_kv_blocks(
             model_cfg,
@@ -191,7 +194,7 @@ class ModelRunner:
         lm_head = weights.lm_head
         greedy_head = (
             GreedyLMHead(lm_head.weight)
-            if isinstance(lm_head, DenseLinear) and GreedyLMHead.supports(lm_head.weight)
+            if isinstance(lm_head, DenseLinear) and GreedyLMHead.supports(lm_head)
             else None
         )
         return DecoderModel(model_cfg, weights, attention, norm, greedy_head)

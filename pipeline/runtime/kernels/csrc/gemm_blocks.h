@@ -786,14 +786,17 @@ inline void dequant_int4_row(const uint8_t* w, const float* scales, const float*
 
 // Weight formats. `prepare` runs once per block of NB weight rows, `block` once per block of MB activation
 // rows, and `scale` turns a raw dot into an output (per-channel int8 scale, else 1).
+// fp32 activations against fp32 weights, or against weights stored in bf16 whose values are fp32 ones exactly
+// (a bf16 checkpoint's): each widens to the same float, so both give the same products and sums, bit for bit.
+template <typename T>
 struct DenseF32 {
-  const float* w;
+  const T* w;
   template <int NB>
   void prepare(const Problem&, int64_t) const {}
   template <typename V, int NB, int MB>
   void block(const Problem& p, int64_t n0, int64_t m0, float out[NB][MB]) const {
-    const float* wb = w + n0 * p.K;
-    dense_block<V, float, NB, MB>(p.x + m0 * p.ldx, p.ldx, wb, p.K, p.K, wb + NB * p.K, out);
+    const T* wb = w + n0 * p.K;
+    dense_block<V, T, NB, MB>(p.x + m0 * p.ldx, p.ldx, wb, p.K, p.K, wb + NB * p.K, out);
   }
   float scale(int64_t) const { return 1.0f; }
 };

@@ -15,7 +15,7 @@ extern "C" void llmp_gemm_int8(const float* x, int64_t M, int64_t K, int64_t ldx
 namespace llmp {
 
 void greedy_argmax_int8(const float* x, int64_t R, int64_t K, const int8_t* qweight, const float* scales,
-                        const float* weight, int64_t V, const float* error_per_l1, const float* error_per_level,
+                        const void* weight, bool bf16_weight, int64_t V, const float* error_per_l1, const float* error_per_level,
                         int num_threads, int64_t* out) {
   const std::unique_ptr<float[]> approx(new float[R * V]);
   llmp_gemm_int8(x, R, K, K, qweight, scales, nullptr, approx.get(), V, false, num_threads);
@@ -47,7 +47,13 @@ void greedy_argmax_int8(const float* x, int64_t R, int64_t K, const int8_t* qwei
       // NOTE: dense_block's per-row summation order depends neither on its block shape nor on its vector form,
       // so this equals the logit gemm_f32 computes for the same row (the sampling path's logits) bit for bit.
       float logit[1][1];
-      dense_block<Narrow, float, 1, 1>(xr, K, weight + v * K, K, K, weight + v * K, logit);
+      if (bf16_weight) {
+        const bf16* w = static_cast<const bf16*>(weight) + v * K;
+        dense_block<Narrow, bf16, 1, 1>(xr, K, w, K, K, w, logit);
+      } else {
+        const float* w = static_cast<const float*>(weight) + v * K;
+        dense_block<Narrow, float, 1, 1>(xr, K, w, K, K, w, logit);
+      }
       if (best < 0 || logit[0][0] > best_logit) best = v, best_logit = logit[0][0];  // first maximum on ties
     }
     out[r] = best;

@@ -20,8 +20,8 @@
 #include "torch_checks.h"
 
 extern "C" {
-void llmp_gemm_f32(const float* x, int64_t M, int64_t K, int64_t ldx, const float* w, const float* bias,
-                   float* y, int64_t N, int num_threads);
+void llmp_gemm_f32(const float* x, int64_t M, int64_t K, int64_t ldx, const void* w, bool bf16_weights,
+                   const float* bias, float* y, int64_t N, int num_threads);
 int llmp_gemm_int8(const float* x, int64_t M, int64_t K, int64_t ldx, const int8_t* w, const float* scales,
                    const float* bias, float* y, int64_t N, bool int8_activations, int num_threads);
 int llmp_gemm_int4(const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* w, const float* scales,
@@ -51,13 +51,20 @@ void check_int4_status(int rc, int64_t K, int64_t group_size) {
               ") and in_features even (got ", K, ")");
 }
 
-at::Tensor gemm_f32(const at::Tensor& x_in, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+// An fp32 weight, or a bf16 one taken as the fp32 values it widens to (fp32 arithmetic, not bf16's).
+bool bf16_widened(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2, "weight: expected [N, K]");
+  const bool bf16 = weight.scalar_type() == at::kBFloat16;
+  expect(weight, bf16 ? at::kBFloat16 : at::kFloat, {weight.size(0), weight.size(1)}, "weight");
+  return bf16;
+}
+
+at::Tensor gemm_f32(const at::Tensor& x_in, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  const bool bf16 = bf16_widened(weight);
   const int64_t N = weight.size(0), K = weight.size(1);
-  expect(weight, at::kFloat, {N, K}, "weight");
   const at::Tensor x = activations(x_in, K);
   at::Tensor y = at::empty({x.size(0), N}, x.options());
-  llmp_gemm_f32(x.const_data_ptr<float>(), x.size(0), K, x.stride(0), weight.const_data_ptr<float>(),
+  llmp_gemm_f32(x.const_data_ptr<float>(), x.size(0), K, x.stride(0), weight.const_data_ptr(), bf16,
                 bias_ptr(bias, N), y.mutable_data_ptr<float>(), N, at::get_num_threads());
   return y;
 }
@@ -124,9 +131,8 @@ at::Tensor dequant_int4(const at::Tensor& packed, const at::Tensor& scales, cons
 at::Tensor greedy_argmax(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
                          const at::Tensor& weight, const at::Tensor& error_per_l1,
                          const at::Tensor& error_per_level) {
-  TORCH_CHECK(weight.dim() == 2, "weight: expected [V, K]");
+  const bool bf16 = bf16_widened(weight);
   const int64_t V = weight.size(0), K = weight.size(1);
-  expect(weight, at::kFloat, {V, K}, "weight");
   expect(qweight, at::kChar, {V, K}, "qweight");
   expect(scales, at::kFloat, {V}, "scales");
   expect(error_per_l1, at::kFloat, {V}, "error_per_l1");
@@ -135,7 +141,7 @@ at::Tensor greedy_argmax(const at::Tensor& x_in, const at::Tensor& qweight, cons
   const at::Tensor x = activations(x_in, K).contiguous();
   at::Tensor out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
   llmp::greedy_argmax_int8(x.const_data_ptr<float>(), x.size(0), K, qweight.const_data_ptr<int8_t>(),
-                           scales.const_data_ptr<float>(), weight.const_data_ptr<float>(), V,
+                           scales.const_data_ptr<float>(), weight.const_data_ptr(), bf16, V,
                            error_per_l1.const_data_ptr<float>(), error_per_level.const_data_ptr<float>(),
                            at::get_num_threads(),
                            out.mutable_data_ptr<int64_t>());
