@@ -46,7 +46,7 @@ def rounded_hf_model(hf_dir: Path) -> torch.nn.Module:
     return model
 
 
-def test_layer_weights_are_bf16_and_the_rest_fp32(bf16_runner: ModelRunner) -> None:
+def test_layer_weights_are_bf16_and_the_rest_computes_in_fp32(bf16_runner: ModelRunner) -> None:
     weights = bf16_runner.model.weights
     for layer in weights.layers:
         for linear in (layer.qkv, layer.dense, layer.gate_up, layer.proj):
@@ -98,3 +98,44 @@ def test_greedy_choices_match_float32_up_to_bf16_rounding(
     assert mean(engine_error) <= mean(hf_bf16_error) and max(engine_error) <= max(hf_bf16_error)
     assert max(choice_gap) <= max(hf_bf16_error)  # a different pick is a near-tie, never a real miss
     assert mean(engine_error) > 1e-5  # the activations really are rounded: float32 compute agrees to ~1e-6
+
+
+def test_a_tied_bf16_head_read_widened_gives_the_fp32_copys_tokens_and_logprobs(
+    tiny_qwen2_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tied bf16 lm_head (the embedding too) kept as stored gives the same tokens and log-probs, bit for bit,
+    as the fp32 copy it widens to: greedy steps through the screening head, log-probs through the full logits."""
+    engine_dir = build_tiny_engine(
+        tiny_qwen2_dir,
+        tmp_path,
+        dtype="bfloat16",
+        engine=LIMITS,
+        kv_cache={"tokens_per_block": 8, "max_tokens": None},
+    )
+    rng = random.Random(1)
+    prompts = [[rng.randrange(10, 200) for _ in range(n)] for n in (5, 23, 2)]
+
+    def run() -> tuple[ModelRunner, list[tuple[list[int], list[float]]]]:
+        runner = ModelRunner.from_engine_dir(engine_dir, RunnerArgs(device="cpu"))
+        engine = LLMEngine(runner, SchedulerConfig(**LIMITS))  # type: ignore[arg-type]
+        greedy = SamplingParams(max_tokens=10, min_tokens=10, temperature=0.0)
+        logprobs = SamplingParams(max_tokens=10, min_tokens=10, temperature=0.0, logprobs=True)
+        out = engine.generate(prompts * 2, [greedy] * len(prompts) + [logprobs] * len(prompts))
+        return runner, [(r.output_token_ids, r.output_logprobs) for r in out]
+
+    widened_runner, widened = run()
+    weights = widened_runner.model.weights
+    assert weights.embedding is weights.lm_head.weight  # type: ignore[attr-defined]
+    assert weights.embedding.dtype == (torch.bfloat16 if kernels.kernels_available() else torch.float32)
+
+    from pipeline.runtime.worker import model_runner
+
+    load = model_runner.load_model_weights
+    monkeypatch.setattr(
+        model_runner,
+        "load_model_weights",
+        lambda *args, **kwargs: load(*args, **{**kwargs, "widened_head": False}),
+    )
+    fp32_runner, fp32_copy = run()
+    assert fp32_runner.model.weights.embedding.dtype == torch.float32
+    assert widened == fp32_copy

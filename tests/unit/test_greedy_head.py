@@ -70,6 +70,7 @@ def test_a_bf16_weight_widened_gives_the_fp32_argmax(rows: int) -> None:
 
 def test_only_heads_with_fp32_logits_are_screened() -> None:
     weight = torch.randn(64, 32)
-    assert GreedyLMHead.supports(DenseLinear(weight))
-    assert GreedyLMHead.supports(DenseLinear(weight.bfloat16(), widened=True))
-    assert not GreedyLMHead.supports(DenseLinear(weight.bfloat16()))  # its logits multiply bf16-rounded rows
+    assert GreedyLMHead.for_lm_head(DenseLinear(weight)) is not None
+    assert GreedyLMHead.for_lm_head(DenseLinear(weight.bfloat16(), widened=True)) is not None
+    assert GreedyLMHead.for_lm_head(DenseLinear(weight.bfloat16())) is None  # logits of bf16-rounded rows
+    assert GreedyLMHead.for_lm_head(DenseLinear(weight, torch.ones(64))) is None  # the screen has no bias

@@ -242,7 +242,10 @@ def test_bf16_storage_is_computed_in_fp32_on_cpu(tiny_llama_dir: Path, tmp_path:
     # The bf16 lm_head is read widened (fp32 arithmetic on the stored values) where the kernels run.
     stored = torch.bfloat16 if kernels.kernels_available() else torch.float32
     assert weights.lm_head.weight.dtype == stored  # type: ignore[attr-defined]
-    assert runner.model.compute_logits(torch.randn(2, weights.final_norm.shape[0])).dtype == torch.float32
+    x = torch.randn(2, weights.final_norm.shape[0])
+    normed = runner.model.norm(x.clone(), None, weights.final_norm)
+    fp32_copy = DenseLinear(weights.lm_head.weight.float())  # type: ignore[attr-defined]
+    assert torch.equal(runner.model.compute_logits(x), fp32_copy(normed))
 
 
 @pytest.mark.parametrize(

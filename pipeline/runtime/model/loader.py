@@ -73,16 +73,20 @@ def make_linear(
     device: torch.device,
     dtype: torch.dtype,
     weight_dtype: torch.dtype | None = None,
+    widened: bool = False,
 ) -> Linear:
     """The linear layer stored under `prefix` (e.g. transformer.layers.0.attention.qkv): dense from
     `{prefix}.weight` (+ `.bias`), or quantized from `{prefix}.qweight/.scales/.zeros` (+ `.bias`) by
     pipeline.runtime.quant.linear.QuantLinear with the scheme that `quant.quant_algo` names. A dense weight
-    is kept in `weight_dtype` (default `dtype`, the compute dtype, which the bias always takes)."""
+    is kept in `weight_dtype` (default `dtype`, the compute dtype, which the bias always takes); with
+    `widened`, a bf16 one stays as stored under fp32 compute on the CPU (DenseLinear.widened)."""
     bias_name = f"{prefix}.bias"
     if f"{prefix}.qweight" not in tensors:
-        weight = tensors[f"{prefix}.weight"].to(device=device, dtype=weight_dtype or dtype).contiguous()
+        stored = tensors[f"{prefix}.weight"]
         bias = tensors[bias_name].to(device=device, dtype=dtype) if bias_name in tensors else None
-        return DenseLinear(weight, bias)
+        if widened and stored.dtype == torch.bfloat16 and dtype == torch.float32 and device.type == "cpu":
+            return DenseLinear(stored.contiguous(), bias, widened=True)
+        return DenseLinear(stored.to(device=device, dtype=weight_dtype or dtype).contiguous(), bias)
     if quant.quant_algo is None:
         raise IntegrityError(
             f"{prefix}.qweight is present but pretrained_config.quantization.quant_algo is null"
@@ -187,23 +191,6 @@ def _moe_weights(
     )
 
 
-def _widened_head(
-    tensors: Mapping[str, torch.Tensor], device: torch.device, dtype: torch.dtype
-) -> DenseLinear | None:
-    """The lm_head as stored, when it is a dense bf16 weight that fp32 compute on the CPU kernels can read
-    widened; None otherwise."""
-    from pipeline.runtime.kernels import ops as kernels
-
-    if "lm_head.weight" not in tensors or "lm_head.bias" in tensors:
-        return None
-    weight = tensors["lm_head.weight"]
-    if weight.dtype != torch.bfloat16 or dtype != torch.float32 or device.type != "cpu":
-        return None
-    if not kernels.kernels_available():
-        return None
-    return DenseLinear(weight.contiguous(), widened=True)
-
-
 def load_model_weights(
     config: EngineConfig,
     device: torch.device,
@@ -212,9 +199,8 @@ def load_model_weights(
     widened_head: bool = False,
 ) -> ModelWeights:
     """The weights in `dtype`; the decoder layers' dense linear weights in `layer_weight_dtype` if given. The
-    embedding and lm_head keep `dtype`, except with `widened_head`: a dense bf16 lm_head stays bf16 where fp32
-    compute on the CPU kernels reads it widened (DenseLinear.widened: the same logits, half the bytes a step
-    reads)."""
+    embedding and lm_head keep `dtype`, except with `widened_head` (CPU kernels only: they read it widened): a
+    dense bf16 lm_head stays as stored (DenseLinear.widened: the same logits, half the bytes a step reads)."""
     path: Path = config.weights_path
     if not path.is_file():
         raise MissingArtifactError(f"{path} not found", hint="rebuild the engine (`llmpipe build`)")
@@ -226,8 +212,10 @@ def load_model_weights(
         def vector(name: str) -> torch.Tensor:
             return tensors[name].to(device=device, dtype=dtype).contiguous()
 
-        def linear(prefix: str, weight_dtype: torch.dtype | None = None) -> Linear:
-            return make_linear(prefix, tensors, quant, device=device, dtype=dtype, weight_dtype=weight_dtype)
+        def linear(prefix: str, weight_dtype: torch.dtype | None = None, widened: bool = False) -> Linear:
+            return make_linear(
+                prefix, tensors, quant, device=device, dtype=dtype, weight_dtype=weight_dtype, widened=widened
+            )
 
         def optional(name: str) -> torch.Tensor | None:
             return vector(name) if name in tensors else None
@@ -253,7 +241,7 @@ def load_model_weights(
                     else None,
                 )
             )
-        lm_head = (widened_head and _widened_head(tensors, device, dtype)) or linear("lm_head")
+        lm_head = linear("lm_head", widened=widened_head)
         # Tied and dense: the embedding is the same matrix, so keep one copy in memory.
         if model.tie_word_embeddings and isinstance(lm_head, DenseLinear):
             embedding = lm_head.weight

@@ -24,7 +24,7 @@ from pipeline.runtime.kernels.build import has_wide_vectors
 from pipeline.runtime.model.attention import Attention, KernelAttention, LayerAttention, TorchAttention
 from pipeline.runtime.model.decoder import DecoderModel
 from pipeline.runtime.model.greedy_head import GreedyLMHead
-from pipeline.runtime.model.layers import DenseLinear, ResidualRMSNorm
+from pipeline.runtime.model.layers import ResidualRMSNorm
 from pipeline.runtime.model.loader import load_model_weights
 from pipeline.runtime.model.rope import layer_cos_sin
 from pipeline.runtime.model.weights import LayerWeights, ModelWeights
@@ -103,7 +103,11 @@ class ModelRunner:
         kv_dtype = self.layer_weight_dtype
         self.tokens_per_block = build.plugin_config.tokens_per_block
         weights = load_model_weights(
-            engine_config, self.device, self.dtype, self.layer_weight_dtype, widened_head=True
+            engine_config,
+            self.device,
+            self.dtype,
+            self.layer_weight_dtype,
+            widened_head=self.device.type == "cpu" and kernels.kernels_available(),
         )
         # Sized after the weights are in memory, so "free memory" is what the cache can really use.
         self.num_kv_blocks = num_kv_blocks(
@@ -191,13 +195,7 @@ class ModelRunner:
             else TorchAttention(self.kv_cache, model_cfg, layers)
         )
         norm = ResidualRMSNorm(use_kernel, model_cfg.hidden_size, model_cfg.norm_epsilon)
-        lm_head = weights.lm_head
-        greedy_head = (
-            GreedyLMHead(lm_head.weight)
-            if isinstance(lm_head, DenseLinear) and GreedyLMHead.supports(lm_head)
-            else None
-        )
-        return DecoderModel(model_cfg, weights, attention, norm, greedy_head)
+        return DecoderModel(model_cfg, weights, attention, norm, GreedyLMHead.for_lm_head(weights.lm_head))
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:

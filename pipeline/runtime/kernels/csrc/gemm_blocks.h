@@ -147,11 +147,12 @@ template <typename O, int NB, int MB, typename A, typename TX, typename TW>
 inline void tile_steps(const TX* x, int64_t ldx, const TW* w, int64_t ldw, int64_t k0, int64_t k1, int step,
                        const void* next, A acc[NB][MB]) {
   constexpr bool far = std::is_same_v<TW, float> && MB >= kFarPrefetchMinRows;
-  const char* pf = static_cast<const char*>(next);
-  if constexpr (far) pf += (kFarAheadBlocks - 1) * (pf - reinterpret_cast<const char*>(w));
+  // An address, not a pointer: the far lines may lie past the end of the weights (a prefetch never faults).
+  uintptr_t pf = reinterpret_cast<uintptr_t>(next);
+  if constexpr (far) pf += (kFarAheadBlocks - 1) * (pf - reinterpret_cast<uintptr_t>(w));
   for (int64_t k = k0; k + step <= k1; k += step) {
     for (int j = 0; j < NB * step * int(sizeof(TW)); j += 64)
-      _mm_prefetch(pf + k * NB * int64_t{sizeof(TW)} + j, far ? _MM_HINT_T1 : _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(pf + k * NB * sizeof(TW) + j), far ? _MM_HINT_T1 : _MM_HINT_T0);
     O xv[MB];
     #pragma GCC unroll 16
     for (int m = 0; m < MB; ++m) vload(xv[m], x + m * ldx + k);

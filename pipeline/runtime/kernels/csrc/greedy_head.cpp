@@ -8,17 +8,17 @@
 
 #include "gemm_blocks.h"
 
-extern "C" void llmp_gemm_int8(const float* x, int64_t M, int64_t K, int64_t ldx, const int8_t* w,
-                               const float* scales, const float* bias, float* y, int64_t N, bool int8_activations,
-                               int num_threads);
+extern "C" int llmp_gemm_int8(const float* x, int64_t M, int64_t K, int64_t ldx, const int8_t* w,
+                              const float* scales, const float* bias, float* y, int64_t N, bool int8_activations,
+                              int num_threads);
 
 namespace llmp {
 
-void greedy_argmax_int8(const float* x, int64_t R, int64_t K, const int8_t* qweight, const float* scales,
-                        const void* weight, bool bf16_weight, int64_t V, const float* error_per_l1, const float* error_per_level,
-                        int num_threads, int64_t* out) {
+int greedy_argmax_int8(const float* x, int64_t R, int64_t K, const int8_t* qweight, const float* scales,
+                       const void* weight, bool widened_bf16, int64_t V, const float* error_per_l1,
+                       const float* error_per_level, int num_threads, int64_t* out) {
   const std::unique_ptr<float[]> approx(new float[R * V]);
-  llmp_gemm_int8(x, R, K, K, qweight, scales, nullptr, approx.get(), V, false, num_threads);
+  if (llmp_gemm_int8(x, R, K, K, qweight, scales, nullptr, approx.get(), V, false, num_threads) != 0) return -1;
 
   // Rows are independent: with several (batched decode) their scans and exact logits split across the team
   // instead of running on one thread while the others wait (16 rows of SmolLM2: ~1 ms a step on one thread).
@@ -47,7 +47,7 @@ void greedy_argmax_int8(const float* x, int64_t R, int64_t K, const int8_t* qwei
       // NOTE: dense_block's per-row summation order depends neither on its block shape nor on its vector form,
       // so this equals the logit gemm_f32 computes for the same row (the sampling path's logits) bit for bit.
       float logit[1][1];
-      if (bf16_weight) {
+      if (widened_bf16) {
         const bf16* w = static_cast<const bf16*>(weight) + v * K;
         dense_block<Narrow, bf16, 1, 1>(xr, K, w, K, K, w, logit);
       } else {
@@ -58,6 +58,7 @@ void greedy_argmax_int8(const float* x, int64_t R, int64_t K, const int8_t* qwei
     }
     out[r] = best;
   }
+  return 0;
 }
 
 }  // namespace llmp

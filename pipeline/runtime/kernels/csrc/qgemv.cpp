@@ -67,11 +67,11 @@ void run_tiles(const Fmt& f, const Problem& p, int num_threads) {
 
 extern "C" {
 
-// w: fp32, or bf16 with `bf16_weights` (widened exactly: the result is the fp32 weights' bit for bit).
-void llmp_gemm_f32(const float* x, int64_t M, int64_t K, int64_t ldx, const void* w, bool bf16_weights,
+// w: fp32, or bf16 with `widened_bf16` (read widened exactly: the result is the fp32 copy's, bit for bit).
+void llmp_gemm_f32(const float* x, int64_t M, int64_t K, int64_t ldx, const void* w, bool widened_bf16,
                    const float* bias, float* y, int64_t N, int num_threads) {
   const Problem p{x, M, K, ldx, N, bias, y, N, false};
-  if (bf16_weights)
+  if (widened_bf16)
     run<4>(DenseF32{static_cast<const bf16*>(w)}, p, num_threads);
   else
     run<4>(DenseF32{static_cast<const float*>(w)}, p, num_threads);

@@ -20,7 +20,7 @@
 #include "torch_checks.h"
 
 extern "C" {
-void llmp_gemm_f32(const float* x, int64_t M, int64_t K, int64_t ldx, const void* w, bool bf16_weights,
+void llmp_gemm_f32(const float* x, int64_t M, int64_t K, int64_t ldx, const void* w, bool widened_bf16,
                    const float* bias, float* y, int64_t N, int num_threads);
 int llmp_gemm_int8(const float* x, int64_t M, int64_t K, int64_t ldx, const int8_t* w, const float* scales,
                    const float* bias, float* y, int64_t N, bool int8_activations, int num_threads);
@@ -51,8 +51,9 @@ void check_int4_status(int rc, int64_t K, int64_t group_size) {
               ") and in_features even (got ", K, ")");
 }
 
-// An fp32 weight, or a bf16 one taken as the fp32 values it widens to (fp32 arithmetic, not bf16's).
-bool bf16_widened(const at::Tensor& weight) {
+// Checks an fp32 weight, or a bf16 one taken as the fp32 values it widens to (fp32 arithmetic, not bf16's);
+// true for bf16.
+bool is_widened_bf16(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2, "weight: expected [N, K]");
   const bool bf16 = weight.scalar_type() == at::kBFloat16;
   expect(weight, bf16 ? at::kBFloat16 : at::kFloat, {weight.size(0), weight.size(1)}, "weight");
@@ -60,11 +61,11 @@ bool bf16_widened(const at::Tensor& weight) {
 }
 
 at::Tensor gemm_f32(const at::Tensor& x_in, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  const bool bf16 = bf16_widened(weight);
+  const bool widened_bf16 = is_widened_bf16(weight);
   const int64_t N = weight.size(0), K = weight.size(1);
   const at::Tensor x = activations(x_in, K);
   at::Tensor y = at::empty({x.size(0), N}, x.options());
-  llmp_gemm_f32(x.const_data_ptr<float>(), x.size(0), K, x.stride(0), weight.const_data_ptr(), bf16,
+  llmp_gemm_f32(x.const_data_ptr<float>(), x.size(0), K, x.stride(0), weight.const_data_ptr(), widened_bf16,
                 bias_ptr(bias, N), y.mutable_data_ptr<float>(), N, at::get_num_threads());
   return y;
 }
@@ -131,7 +132,7 @@ at::Tensor dequant_int4(const at::Tensor& packed, const at::Tensor& scales, cons
 at::Tensor greedy_argmax(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
                          const at::Tensor& weight, const at::Tensor& error_per_l1,
                          const at::Tensor& error_per_level) {
-  const bool bf16 = bf16_widened(weight);
+  const bool widened_bf16 = is_widened_bf16(weight);
   const int64_t V = weight.size(0), K = weight.size(1);
   expect(qweight, at::kChar, {V, K}, "qweight");
   expect(scales, at::kFloat, {V}, "scales");
@@ -140,11 +141,11 @@ at::Tensor greedy_argmax(const at::Tensor& x_in, const at::Tensor& qweight, cons
   TORCH_CHECK(V > 0, "weight: empty vocabulary");
   const at::Tensor x = activations(x_in, K).contiguous();
   at::Tensor out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
-  llmp::greedy_argmax_int8(x.const_data_ptr<float>(), x.size(0), K, qweight.const_data_ptr<int8_t>(),
-                           scales.const_data_ptr<float>(), weight.const_data_ptr(), bf16, V,
-                           error_per_l1.const_data_ptr<float>(), error_per_level.const_data_ptr<float>(),
-                           at::get_num_threads(),
-                           out.mutable_data_ptr<int64_t>());
+  const int rc = llmp::greedy_argmax_int8(
+      x.const_data_ptr<float>(), x.size(0), K, qweight.const_data_ptr<int8_t>(), scales.const_data_ptr<float>(),
+      weight.const_data_ptr(), widened_bf16, V, error_per_l1.const_data_ptr<float>(),
+      error_per_level.const_data_ptr<float>(), at::get_num_threads(), out.mutable_data_ptr<int64_t>());
+  TORCH_CHECK(rc == 0, "greedy_argmax: out of memory for the screen's activation scratch");
   return out;
 }
 
