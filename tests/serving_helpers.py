@@ -50,6 +50,37 @@ def build_tiny_engine(hf_dir: Path, root: Path, **sections: Any) -> Path:
     return engine
 
 
+def cli_build_and_validate(
+    hf_dir: Path, root: Path, name: str, quantization: dict[str, Any]
+) -> dict[str, Any]:
+    """`llmpipe build --until engine` then `llmpipe validate` of `hf_dir` (SmolLM2-sized limits) with
+    `quantization`, both asserted to exit 0; returns validation.json."""
+    import yaml
+    from click.testing import CliRunner
+
+    from pipeline.cli.main import cli
+
+    config = root / f"{name}.yaml"
+    engine = {"max_batch_size": 16, "max_input_len": 512, "max_seq_len": 1024, "max_num_tokens": 512}
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "name": name,
+                "source": {"kind": "local", "path": str(hf_dir)},
+                "workdir": str(root / "build"),
+                "engine": engine,
+                "kv_cache": {"tokens_per_block": 32, "max_tokens": 16384},
+                "quantization": quantization,
+            }
+        )
+    )
+    for command in (["build", str(config), "--until", "engine"], ["validate", str(config)]):
+        result = CliRunner().invoke(cli, command)
+        assert result.exit_code == 0, result.stdout + result.stderr
+    report: dict[str, Any] = json.loads((root / "build" / "validation" / "validation.json").read_text())
+    return report
+
+
 @contextmanager
 def serve_tiny(
     hf_dir: Path,

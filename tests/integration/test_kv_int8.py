@@ -12,13 +12,10 @@ from typing import Any
 
 import pytest
 import torch
-import yaml
-from click.testing import CliRunner
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from pipeline.backends.torch.build import build
 from pipeline.backends.torch.checkpoint import convert
-from pipeline.cli.main import cli
 from pipeline.config.build_config import BuildConfig, build_config_from_dict
 from pipeline.errors import ConfigError
 from pipeline.quantize.run import quantize
@@ -34,6 +31,7 @@ from pipeline.runtime.worker.attn_metadata import SequenceChunk, build_attention
 from pipeline.runtime.worker.kv_cache import KVCache, bytes_per_block, num_kv_blocks
 from pipeline.runtime.worker.kv_quant import dequantize_kv, quantize_kv
 from pipeline.runtime.worker.model_runner import ModelRunner
+from tests.serving_helpers import cli_build_and_validate
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LIMITS = {"max_batch_size": 16, "max_input_len": 512, "max_seq_len": 1024, "max_num_tokens": 512}
@@ -327,23 +325,7 @@ def test_int8_cache_holds_about_4x_the_blocks(
 @pytest.mark.slow
 def test_smollm2_int8_kv_passes_validate(smollm2_hf_dir: Path, tmp_path: Path) -> None:
     """The real model through `llmpipe build` and `llmpipe validate` with the default int8-KV gates."""
-    config = tmp_path / "smollm2-int8kv.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "name": "smollm2-int8kv",
-                "source": {"kind": "local", "path": str(smollm2_hf_dir)},
-                "workdir": str(tmp_path / "build"),
-                "engine": LIMITS,
-                "kv_cache": {"tokens_per_block": 32, "max_tokens": 16384},
-                "quantization": {"kv_cache_dtype": "int8"},
-            }
-        )
-    )
-    for command in (["build", str(config), "--until", "engine"], ["validate", str(config)]):
-        result = CliRunner().invoke(cli, command)
-        assert result.exit_code == 0, result.stdout + result.stderr
-    report = json.loads((tmp_path / "build" / "validation" / "validation.json").read_text())
+    report = cli_build_and_validate(smollm2_hf_dir, tmp_path, "smollm2-int8kv", {"kv_cache_dtype": "int8"})
     assert report["passed"] and report["quantization"]["kv_cache_dtype"] == "int8"
     # measured 0.989 / 0.982 / 0.0008 (kv_quant.py); the gates are the defaults for an int8 KV cache
     assert report["metrics"]["greedy_agreement"] >= 0.97 and report["metrics"]["mean_kl"] < 0.005

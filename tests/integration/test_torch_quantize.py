@@ -15,6 +15,7 @@ from pipeline.cli.main import cli
 from pipeline.runtime.core.sampling_params import SamplingParams
 from pipeline.runtime.engine.llm_engine import LLMEngine
 from pipeline.runtime.quant.linear import QuantLinear
+from tests.serving_helpers import cli_build_and_validate
 
 LINEARS = ("attention.qkv", "attention.dense", "mlp.gate_up", "mlp.proj")
 
@@ -129,26 +130,5 @@ def test_int8_sq_engine_smooths_then_runs_w8a8(tmp_path: Path, tiny_llama_dir: P
 @pytest.mark.slow
 def test_smollm2_int8_sq_passes_validate(smollm2_hf_dir: Path, tmp_path: Path) -> None:
     """The real model through `llmpipe build` and `llmpipe validate` with int8_sq's default gates."""
-    config = tmp_path / "smollm2-int8-sq.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "name": "smollm2-int8-sq",
-                "source": {"kind": "local", "path": str(smollm2_hf_dir)},
-                "workdir": str(tmp_path / "build"),
-                "engine": {
-                    "max_batch_size": 16,
-                    "max_input_len": 512,
-                    "max_seq_len": 1024,
-                    "max_num_tokens": 512,
-                },
-                "kv_cache": {"tokens_per_block": 32, "max_tokens": 16384},
-                "quantization": {"mode": "int8_sq"},
-            }
-        )
-    )
-    for command in (["build", str(config), "--until", "engine"], ["validate", str(config)]):
-        result = CliRunner().invoke(cli, command)
-        assert result.exit_code == 0, result.stdout + result.stderr
-    report = json.loads((tmp_path / "build" / "validation" / "validation.json").read_text())
+    report = cli_build_and_validate(smollm2_hf_dir, tmp_path, "smollm2-int8-sq", {"mode": "int8_sq"})
     assert report["passed"] and report["quantization"]["mode"] == "int8_sq"

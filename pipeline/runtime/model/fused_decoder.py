@@ -66,11 +66,6 @@ def _layer_linears(layer: LayerWeights) -> list[Linear | None]:
     return [layer.qkv, layer.dense, *layer.moe.gate_up, *layer.moe.proj]
 
 
-def _all_linears(layers: Sequence[LayerWeights]) -> list[Linear | None]:
-    """Every linear of `layers`, MoE experts included."""
-    return [lin for layer in layers for lin in _layer_linears(layer)]
-
-
 def _flatten(linears: Sequence[Linear | None]) -> tuple[list[torch.Tensor | None], list[int]]:
     """[weight, scales, zeros, bias] per linear (None where absent) and its int4 group size (else 0)."""
     flat: list[torch.Tensor | None] = []
@@ -110,7 +105,7 @@ class FusedDecoder:
         sparse = any(layer.moe is not None for layer in layers)
         if not layers or config.hidden_act not in ACTIVATIONS or (sparse and config.hidden_act != "silu"):
             return None
-        linears = _all_linears(layers)
+        linears = [lin for layer in layers for lin in _layer_linears(layer)]
         norms = [
             n
             for layer in layers

@@ -235,7 +235,6 @@ struct TilesBF16 {
     sum_accumulators(W, out);
   }
 
-
   // One k-step into C tile kAcc: the 16 weight rows' 32 k at a (row stride lda bytes) against the packed
   // activations at b (row stride ldb bytes). Weight and activation tiles alternate between two registers each
   // (GCC's tile intrinsics paste their register numbers into the assembly, so they are spelled out).
@@ -312,7 +311,7 @@ struct TilesInt8 {
     const int64_t M = p.M, K = p.K;
     float* xs = scratch;
     auto* xq = reinterpret_cast<int16_t*>(xs + M);
-    quantize_rows_int16(p.x, M, K, p.ldx, xq, xs, int8_activations ? kW8A8QMax : kActQMax);
+    quantize_rows_int16(p.x, M, K, p.ldx, xq, xs, act_qmax(int8_activations));
     auto* bytes = reinterpret_cast<uint8_t*>(scratch + bytes_offset(M, K));
     uint32_t* xh = line_aligned(bytes + 2 * M * K);
     if (int8_activations) {
@@ -442,7 +441,8 @@ struct TilesInt8 {
         pass_int8(p, n0, mb, mb == 0, hi);
         // Each dot is below 2^31 (K < 2^31 / 127^2) and converts to fp32 as the register tiles' int64 sum does.
         for (int64_t i = 0; i < W && mb * W + i < p.M; ++i)
-          put_tile_row(p, n0, mb * W + i, _mm512_mul_ps(_mm512_cvtepi32_ps(tile_column(hi, W, i)), _mm512_set1_ps(xs[mb * W + i])), s);
+          put_tile_row(p, n0, mb * W + i,
+                       _mm512_mul_ps(_mm512_cvtepi32_ps(tile_column(hi, W, i)), _mm512_set1_ps(xs[mb * W + i])), s);
         continue;
       }
       pass(p, n0, mb, mb == 0, hi, lo);

@@ -311,7 +311,7 @@ void team_linear(Team& team, const LinearRef& l, const float* x, int64_t M, int6
       }
 #endif
       auto* xq = reinterpret_cast<int16_t*>(scratch + M);
-      quantize_rows_int16(x, M, l.K, ldx, xq, scratch, l.int8_activations ? kW8A8QMax : kActQMax);
+      quantize_rows_int16(x, M, l.K, ldx, xq, scratch, act_qmax(l.int8_activations));
       go(Int8{static_cast<const int8_t*>(l.w), l.scales, xq, scratch});
       break;
     }

@@ -88,8 +88,8 @@ const float* vector_ptr(const std::optional<at::Tensor>& t, int64_t H, const cha
 struct DecoderPlan : torch::CustomClassHolder {
   DecoderPlan(const c10::List<std::optional<at::Tensor>>& linears, const c10::List<std::optional<at::Tensor>>& norms,
               const std::vector<int64_t>& group_sizes, double eps, const std::string& activation,
-              bool int8_activations, const c10::List<std::optional<at::Tensor>>& moe_linears, const std::vector<int64_t>& moe_group_sizes,
-              const std::vector<int64_t>& moe_shapes) {
+              bool int8_activations, const c10::List<std::optional<at::Tensor>>& moe_linears,
+              const std::vector<int64_t>& moe_group_sizes, const std::vector<int64_t>& moe_shapes) {
     const size_t count = norms.size() / 4;
     TORCH_CHECK(count > 0 && norms.size() == 4 * count && linears.size() == 16 * count &&
                     group_sizes.size() == 4 * count && moe_shapes.size() == 3 * count,

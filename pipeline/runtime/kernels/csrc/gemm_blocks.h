@@ -310,6 +310,8 @@ constexpr int64_t kActSpan = 1024;
 constexpr float kW8A8QMax = 127.0f;
 
 inline float act_scale(float amax, float qmax) { return amax > 0.0f ? amax / qmax : 1.0f; }
+// The largest activation level of an int8 layer: W8A8 (`int8_activations`) or int8_wo's int16 levels.
+inline float act_qmax(bool int8_activations) { return int8_activations ? kW8A8QMax : kActQMax; }
 
 // x [M, K] fp32 (row stride ldx) -> xq [M, K] int16 levels in [-qmax, qmax] and their scales [M].
 inline void quantize_rows_int16(const float* x, int64_t M, int64_t K, int64_t ldx, int16_t* xq, float* scales,

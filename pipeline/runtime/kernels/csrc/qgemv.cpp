@@ -103,7 +103,7 @@ int llmp_gemm_int8(const float* x, int64_t M, int64_t K, int64_t ldx, const int8
   if (!scratch) return -1;
   auto* xs = static_cast<float*>(scratch);
   auto* xq = reinterpret_cast<int16_t*>(xs + M);
-  quantize_rows_int16(x, M, K, ldx, xq, xs, int8_activations ? kW8A8QMax : kActQMax);
+  quantize_rows_int16(x, M, K, ldx, xq, xs, act_qmax(int8_activations));
   run<4>(Int8{w, scales, xq, xs}, p, num_threads);
   free(scratch);
   return 0;
