@@ -50,15 +50,16 @@ inline std::atomic<bool> tiles_enabled{true};
 inline bool tiles_on() { return tiles_enabled.load(std::memory_order_relaxed) && tiles_permitted(); }
 
 // Fewest activation rows a step takes to the tiles. Below them the register tiles win: a tile load takes one
-// 64-byte line from each of 16 weight rows, which streams from memory slower than whole rows do, and a one-row
-// int8 step pays two tile multiply-adds per line (high and low bytes). Measured on a Sapphire Rapids class Xeon
-// (2 threads, SmolLM2-135M, scripts/bench_kernels.py ab, tiles / register tiles time): the bf16 decoder layers
-// 1.12x at one row, 0.91x at 2-4, 0.62x at 8, 0.47x at 16; the int8 ones 1.3-1.8x at 1-4 rows, 1.14x at 8,
-// 0.8x at 16; the int8 lm_head GEMM (greedy head) 1.05-1.1x at 1-4 rows, 0.7x at 8, 0.55x at 16.
+// 64-byte line from each of 16 weight rows, which streams from memory slower than whole rows do, and an int8
+// step pays two tile multiply-adds per line (high and low bytes). Measured on a Sapphire Rapids class Xeon
+// (2 threads, SmolLM2-135M, scripts/bench_kernels.py ab, tiles / register tiles time, the tiles' prefetches
+// in): the bf16 decoder layers 1.04x at one row (0.91x at 2-4 rows, 0.47x at 16, measured before); the int8
+// ones 1.00x at 4 rows, 0.87x at 5, 0.92x at 6, 0.78x at 7, 0.75x at 8; the int8 lm_head GEMM (greedy head)
+// 0.86x at 3 rows, 0.95x at 4, 0.80x at 6.
 constexpr int64_t kBf16TileMinRows = 2;
-constexpr int64_t kInt8TileMinRows = 12;
+constexpr int64_t kInt8TileMinRows = 5;
 constexpr int64_t kW8A8TileMinRows = 2;
-constexpr int64_t kInt8GemmTileMinRows = 8;
+constexpr int64_t kInt8GemmTileMinRows = 3;
 
 // Whether a layer's shape walks in whole tiles: 16-row weight blocks (twice that for a gate_up pair, whose
 // gate and up halves go in units of 16 columns each) and whole tile steps along K.
@@ -142,7 +143,7 @@ constexpr int64_t kPrefetchSteps = 4;
 inline void prefetch_rows(const char* block, int64_t row_bytes, int64_t steps, int64_t c) {
   const int64_t ahead = c + kPrefetchSteps;
   const char* line = ahead < steps ? block + ahead * 64 : block + kTileRows * row_bytes + (ahead - steps) * 64;
-  for (int r = 0; r < kTileRows; ++r) _mm_prefetch(line + r * row_bytes, _MM_HINT_T0);
+  for (int r = 0; r < kTileRows; ++r) prefetch_line<0>(line + r * row_bytes);
 }
 
 // out = (C0 + C1) + (C2 + C3), the four C tiles' sums for W activation rows: fp32 (bf16 tiles) or int32 (int8).

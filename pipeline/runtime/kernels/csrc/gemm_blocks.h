@@ -12,6 +12,8 @@
 #include <atomic>
 #include <type_traits>
 
+#include "prefetch.h"
+
 namespace llmp {
 
 // A bfloat16 bit pattern: the upper half of an fp32.
@@ -152,7 +154,7 @@ inline void tile_steps(const TX* x, int64_t ldx, const TW* w, int64_t ldw, int64
   if constexpr (far) pf += (kFarAheadBlocks - 1) * (pf - reinterpret_cast<uintptr_t>(w));
   for (int64_t k = k0; k + step <= k1; k += step) {
     for (int j = 0; j < NB * step * int(sizeof(TW)); j += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(pf + k * NB * sizeof(TW) + j), far ? _MM_HINT_T1 : _MM_HINT_T0);
+      prefetch_line<far ? 1 : 0>(reinterpret_cast<const char*>(pf + k * NB * sizeof(TW) + j));
     O xv[MB];
     #pragma GCC unroll 16
     for (int m = 0; m < MB; ++m) vload(xv[m], x + m * ldx + k);
@@ -585,7 +587,7 @@ inline void int4_dot_rows(const int16_t* xp, int64_t K, const uint8_t* w, int64_
     for (int64_t k = g * gs; k < k1; k += L::kWeights) {
       #pragma GCC unroll 4
       for (int r = 0; r < RB; ++r) {
-        _mm_prefetch(next + r * ldw + k / 2, _MM_HINT_T0);
+        prefetch_line<0>(next + r * ldw + k / 2);
         const I words = L::words(w + r * ldw + k / 2);
         const I even = L::low(words), odd = L::high(words);
         #pragma GCC unroll 4
@@ -758,13 +760,13 @@ inline void dequant_int4_row(const uint8_t* w, const float* scales, const float*
       const __m512i table =
           _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_sub_ps(levels, zv), sv)));
       for (; k + 32 <= g1; k += 32) {
-        _mm_prefetch(pf + k / 2, _MM_HINT_T0);
+        prefetch_line<0>(pf + k / 2);
         _mm512_storeu_si512(out + k, _mm512_permutexvar_epi16(nibble_lanes(w + k / 2), table));
       }
     }
 #endif
     for (; k + 32 <= g1; k += 32) {
-      _mm_prefetch(pf + k / 2, _MM_HINT_T0);
+      prefetch_line<0>(pf + k / 2);
       const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k / 2));
       const __m128i even = _mm_and_si128(b, mask), odd = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
       const __m128i lo = _mm_unpacklo_epi8(even, odd), hi = _mm_unpackhi_epi8(even, odd);

@@ -37,6 +37,7 @@
 
 #include <initializer_list>
 
+#include "prefetch.h"
 #include "vec8.h"
 
 namespace llmp {
@@ -271,7 +272,7 @@ inline __attribute__((always_inline)) void attend_heads(
     for (const void* cache : {k_cache, v_cache}) {
       const char* row = (const char*)cache + offset * row_bytes;
       for (int64_t i = 0; i < rows; ++i, row += KV * row_bytes)
-        for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T1);
+        for (int64_t b = 0; b < row_bytes; b += 64) prefetch_line<1>(row + b);
     }
   };
   for (int64_t bn = lo / block_size; bn < lo / block_size + kPrefetchBlocks; ++bn) prefetch_block(bn);
