@@ -187,7 +187,7 @@ def test_layers_on_amx_tiles(scheme: str, threads: int) -> None:
         finally:
             kernels.set_tiles(before)
 
-    first = {"bf16": 2, "int8": 12, "w8a8": 2, "int4": 5}[scheme]  # the fewest rows each takes to the tiles
+    first = {"bf16": 2, "int8": 5, "w8a8": 2, "int4": 5}[scheme]  # the fewest rows each takes to the tiles
     for rows in (16, 40):
         tiled, vector = step(rows, True), step(rows, False)
         for got, want in zip(tiled, vector, strict=True):

@@ -269,7 +269,7 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(in_f: int) -> None:
 @pytest.mark.parametrize("rows", [1, 7, 8, 9, 12, 16, 17, 40])
 def test_int8_on_amx_tiles_gives_the_register_tiles_bits(rows: int, int8_activations: bool) -> None:
     # The tiles split each int16 activation level into a signed high and an unsigned low byte (w8a8: take the
-    # int8 level as it is) and sum exactly, so every row count (the tiles take steps of 8+ rows, one B tile of
+    # int8 level as it is) and sum exactly, so every row count (the tiles take steps of 3+ rows, one B tile of
     # exactly the rows up to 16) gives the bits of the vector path. 96 x 576: whole 16-row blocks and 64-wide
     # k-steps, as the tiles need.
     qweight, scales = primitives.quantize_int8_per_channel(random_weight(96, 576))

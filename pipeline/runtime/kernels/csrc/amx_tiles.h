@@ -53,7 +53,7 @@ inline bool tiles_on() { return tiles_enabled.load(std::memory_order_relaxed) &&
 // 64-byte line from each of 16 weight rows, which streams from memory slower than whole rows do, and an int8
 // step pays two tile multiply-adds per line (high and low bytes). Measured on a Sapphire Rapids class Xeon
 // (2 threads, SmolLM2-135M, scripts/bench_kernels.py ab, tiles / register tiles time, the tiles' prefetches
-// in): the bf16 decoder layers 1.04x at one row (0.91x at 2-4 rows, 0.47x at 16, measured before); the int8
+// in): the bf16 decoder layers 1.04x at one row (0.91x at 2-4 rows, 0.47x at 16 without them); the int8
 // ones 1.00x at 4 rows, 0.87x at 5, 0.92x at 6, 0.78x at 7, 0.75x at 8; the int8 lm_head GEMM (greedy head)
 // 0.86x at 3 rows, 0.95x at 4, 0.80x at 6.
 constexpr int64_t kBf16TileMinRows = 2;
@@ -141,9 +141,11 @@ inline void pack_tile_columns(const uint32_t* src, int64_t ld, int64_t M, int64_
 // from each of 16 rows, a pattern the hardware prefetchers follow less well than one stream.
 constexpr int64_t kPrefetchSteps = 4;
 inline void prefetch_rows(const char* block, int64_t row_bytes, int64_t steps, int64_t c) {
+  // An address, not a pointer: past the last block the lines lie past the end of the weights.
   const int64_t ahead = c + kPrefetchSteps;
-  const char* line = ahead < steps ? block + ahead * 64 : block + kTileRows * row_bytes + (ahead - steps) * 64;
-  for (int r = 0; r < kTileRows; ++r) prefetch_line<0>(line + r * row_bytes);
+  const uintptr_t line = reinterpret_cast<uintptr_t>(block) +
+                         (ahead < steps ? ahead * 64 : kTileRows * row_bytes + (ahead - steps) * 64);
+  for (int r = 0; r < kTileRows; ++r) prefetch_line<0>(reinterpret_cast<const void*>(line + r * row_bytes));
 }
 
 // out = (C0 + C1) + (C2 + C3), the four C tiles' sums for W activation rows: fp32 (bf16 tiles) or int32 (int8).
