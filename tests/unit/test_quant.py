@@ -216,9 +216,10 @@ def test_int4_kernel_switches_roundings_at_the_same_row_count_as_the_fallback(
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 3, 17])
-def test_fp32_kernel_matches_torch(rows: int) -> None:
-    w, x = random_weight(37, 131), torch.randn(rows, 131)
+@pytest.mark.parametrize("in_f", [131, 1000])  # 1000: many rows take K in slices, the last one short
+@pytest.mark.parametrize("rows", [1, 3, 17, 40])
+def test_fp32_kernel_matches_torch(rows: int, in_f: int) -> None:
+    w, x = random_weight(37, in_f), torch.randn(rows, in_f)
     assert_close_rel(kernels.gemm_f32(x, w), F.linear(x, w))
     assert_close_rel(fp32_linear(x, w), F.linear(x, w))
 
@@ -241,19 +242,20 @@ def test_a_bf16_weight_widened_gives_the_fp32_copys_bits() -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize("in_f", [131, 576])
+@pytest.mark.parametrize("in_f", [131, 576, 1000])
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(in_f: int) -> None:
-    # Steps of few rows and of many run different vector forms (ymm / zmm on AVX-512): a sequence's logits must
-    # not change with how many other sequences share its decode step.
+    # Steps of few rows and of many run different vector forms (ymm / zmm on AVX-512), and steps of several row
+    # tiles take K in slices (576, 1000: a short last slice and a tail past the last whole vector; 40 rows: more
+    # than one group of tiles): a sequence's logits must not change with how many other sequences share its step.
     # One-row steps may take either form (set_wide_single_row, chosen per machine at load).
     w = random_weight(37, in_f)
     qweight, scales = primitives.quantize_int8_per_channel(w)
-    batch = torch.randn(17, in_f)
+    batch = torch.randn(40, in_f)
     before = kernels.set_wide_single_row(False)
     try:
         for gemm in (lambda x: kernels.gemm_f32(x, w), lambda x: kernels.gemm_int8(x, qweight, scales)):
             together = gemm(batch)
-            for count in (1, 2, 3, 4, 6):
+            for count in (1, 2, 3, 4, 6, 7, 17, 25):
                 assert torch.equal(gemm(batch[:count]), together[:count]), count
             kernels.set_wide_single_row(True)
             assert torch.equal(gemm(batch[:1]), together[:1])
