@@ -177,16 +177,24 @@ inline void zero_tile(A acc[NB][MB]) {
     for (int m = 0; m < MB; ++m) vzero(acc[r][m]);
 }
 
-// The finished dots of a dense tile: its accumulators' sums, then the k past the last whole k-step one by one.
+// The k in [t0, K) past a tile's last whole k-step, one by one, into its finished sums.
 // NOTE: an explicit fma. GCC contracts `out += w * x` into one in some of a kernel's instantiations and not in
 // others (C++ compiles with -ffp-contract=fast), so a row's result changed with the tile shape it ran in.
+template <int NB, int MB, typename TX, typename TW>
+inline void tail_dots(const TX* x, int64_t ldx, const TW* w, int64_t ldw, int64_t t0, int64_t K,
+                      float out[NB][MB]) {
+  for (int64_t t = t0; t < K; ++t)
+    for (int r = 0; r < NB; ++r)
+      for (int m = 0; m < MB; ++m)
+        out[r][m] = std::fma(to_f32(w[r * ldw + t]), to_f32(x[m * ldx + t]), out[r][m]);
+}
+
+// The finished dots of a dense tile: its accumulators' sums, then the k past the last whole k-step.
 template <int NB, int MB, typename V, typename T>
 inline void dense_sums(const float* x, int64_t ldx, const T* w, int64_t ldw, int64_t K, const V acc[NB][MB],
                        float out[NB][MB]) {
   tile_sums<NB, MB>(acc, out);
-  for (int64_t t = K / kStep * kStep; t < K; ++t)
-    for (int r = 0; r < NB; ++r)
-      for (int m = 0; m < MB; ++m) out[r][m] = std::fma(to_f32(w[r * ldw + t]), x[m * ldx + t], out[r][m]);
+  tail_dots<NB, MB>(x, ldx, w, ldw, K / kStep * kStep, K, out);
 }
 
 // Dot products of NB weight rows (fp32 or bf16, row stride ldw) with MB activation rows (row stride ldx),
@@ -289,9 +297,7 @@ inline void bf16_block(const bf16* x, const bf16* w, int64_t K, const void* next
   zero_tile<V, NB, MB>(acc);
   tile_steps<typename Bf16Form<V>::type, NB, MB>(x, K, w, K, 0, K, step, next, acc);
   tile_sums<NB, MB>(acc, out);
-  for (int64_t t = K / step * step; t < K; ++t)
-    for (int r = 0; r < NB; ++r)
-      for (int m = 0; m < MB; ++m) out[r][m] += to_f32(w[r * K + t]) * to_f32(x[m * K + t]);
+  tail_dots<NB, MB>(x, K, w, K, K / step * step, K, out);
 }
 #else
 using Bf16Activation = float;
@@ -1113,6 +1119,21 @@ inline int64_t next_tile_rows(int64_t rows_left, int64_t tiles_left) {
   return (rows_left + tiles_left - 1) / tiles_left;
 }
 
+// row_tiles' tiles, in groups of kSliceGroupRows rows that each take K slice by slice (sliced_group).
+template <typename V, int64_t MaxRows, int NB, typename Fmt>
+inline void sliced_tiles(const Fmt& f, const Problem& p, int64_t n0, int64_t tiles) {
+  constexpr int64_t kMaxTiles = kSliceGroupRows / MaxRows;
+  for (int64_t t = 0, m = 0; t < tiles;) {
+    int64_t first[kMaxTiles + 1], group = 0;
+    for (; group < kMaxTiles && t < tiles; ++group, ++t) {
+      first[group] = m;
+      m += next_tile_rows(p.M - m, tiles - t);
+    }
+    first[group] = m;
+    sliced_group<V, MaxRows, NB>(f, p, n0, first, group);
+  }
+}
+
 // All activation rows against NB weight rows starting at n0, in tiles of at most MaxRows rows: the NB weight
 // rows stay in L1/L2 across tiles. The rows are split into the fewest tiles, of near-equal size: a lone 1-row
 // tile would leave the FMA units waiting on a single accumulator chain per weight row.
@@ -1120,21 +1141,7 @@ template <typename V, int64_t MaxRows, int NB, typename Fmt>
 inline void row_tiles(const Fmt& f, const Problem& p, int64_t n0) {
   const int64_t tiles = (p.M + MaxRows - 1) / MaxRows;
   if constexpr (SlicesK<Fmt>) {
-    if (tiles > 1 && p.K > kSliceK) {
-      constexpr int64_t kMaxTiles = kSliceGroupRows / MaxRows;
-      int64_t first[kMaxTiles + 1];
-      int64_t m = 0, t = 0;
-      while (t < tiles) {
-        const int64_t group = tiles - t < kMaxTiles ? tiles - t : kMaxTiles;
-        for (int64_t g = 0; g < group; ++g, ++t) {
-          first[g] = m;
-          m += next_tile_rows(p.M - m, tiles - t);
-        }
-        first[group] = m;
-        sliced_group<V, MaxRows, NB>(f, p, n0, first, group);
-      }
-      return;
-    }
+    if (tiles > 1 && p.K > kSliceK) return sliced_tiles<V, MaxRows, NB>(f, p, n0, tiles);
   }
   int64_t m = 0;
   for (int64_t t = 0; t < tiles; ++t) {
