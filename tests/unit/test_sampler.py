@@ -118,6 +118,27 @@ def test_min_tokens_bans_end_id_like_hf_and_completing_stop_tokens() -> None:
     ).any()
 
 
+def test_greedy_rows_with_bans_take_the_best_token_they_may_in_one_batch() -> None:
+    # Each row's argmax is put where a ban of its own must move it; a row without bans keeps its argmax, and
+    # log-probs stay those of the raw logits at the token taken.
+    logits = random_logits(4, seed=3)
+    logits[0, 7] = logits[1, 8] = logits[2, 31] = 100.0
+    rows = [
+        make_row([1, 2], [], min_tokens=2, end_id=7, temperature=0.0, logprobs=True),
+        make_row([5, 1], [2], bad_token_ids=((8,), (3, 4)), temperature=0.0, logprobs=True),
+        make_row(
+            [1, 2], [30], min_tokens=3, end_id=7, stop_token_ids=((30, 31),), temperature=0.0, logprobs=True
+        ),
+        make_row([1, 2], [], temperature=0.0, logprobs=True),
+    ]
+    tokens, logprobs = Sampler()(logits, rows)
+    assert tokens == [int(process_logits(logits[i], row).argmax()) for i, row in enumerate(rows)]
+    assert all(token != banned for token, banned in zip(tokens, (7, 8, 31), strict=False))
+    assert tokens[3] == int(logits[3].argmax())
+    expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
+    assert logprobs == pytest.approx(expected.tolist(), abs=1e-6)
+
+
 def test_top_k_and_top_p_restrict_the_support() -> None:
     logits = random_logits()[0]
     top3 = set(torch.topk(logits, 3).indices.tolist())

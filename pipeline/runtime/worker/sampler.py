@@ -91,9 +91,11 @@ class Sampler:
     ) -> tuple[list[int], list[float] | None]:
         """logits [R, vocab] fp32, one row per SampleRow -> (token ids, log-probs if any row wants them)."""
         want_logprobs = any(r.params.logprobs for r in rows)
-        if all(r.params.greedy and not _needs_processing(r) for r in rows):
-            # Fast path: one argmax over the batch, no per-request Python work.
-            tokens = logits.argmax(dim=-1)
+        if all(r.params.greedy and not r.params.adjusts_logits for r in rows):
+            # Greedy rows that at most ban tokens (min_tokens, bad words): one masked argmax over the batch,
+            # not a copy and a mask per row. 16 forced-length streams asking for log-probs (SmolLM2-135M
+            # int8, in-process, 2 threads): 723.6 / 709.9 -> 745.5 / 728.3 tok/s.
+            tokens = _masked_argmax(logits, rows)
             token_ids = tokens.tolist()
         else:
             token_ids = [self._sample_row(logits[i], row) for i, row in enumerate(rows)]
@@ -116,6 +118,19 @@ class Sampler:
             return float(torch.rand((), generator=self._unseeded))
         self._seeded.manual_seed(position_seed(seed, row.output_index))
         return float(torch.rand((), generator=self._seeded))
+
+
+def _masked_argmax(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    """Each row's argmax over the tokens it may take."""
+    bans = [
+        (i, token) for i, row in enumerate(rows) if _needs_processing(row) for token in row.banned_tokens()
+    ]
+    if not bans:
+        return logits.argmax(dim=-1)
+    masked = logits.clone()
+    at = torch.tensor(bans, dtype=torch.int64, device=logits.device)
+    masked[at[:, 0], at[:, 1]] = float("-inf")
+    return masked.argmax(dim=-1)
 
 
 def _needs_processing(row: SampleRow) -> bool:
