@@ -173,9 +173,16 @@ def test_metrics_endpoint_shows_engine_gauges_and_latencies(streaming: TritonSer
     assert metric(values, "nv_trt_llm_request_metrics", request_type="max") == 16
     for state in ("waiting", "scheduled", "active"):
         assert metric(values, "nv_trt_llm_request_metrics", request_type=state) >= 0
-    assert metric(values, "llmpipe_time_to_first_token_seconds_count") >= 1
-    assert metric(values, "llmpipe_inter_token_latency_seconds_bucket", le="+Inf") >= 1
     assert metric(values, "nv_inference_request_success", model="ensemble") >= 1
+
+    def latencies_counted() -> bool:  # the latency histograms reach Triton at the next stats period
+        values = scrape_metrics(streaming.metrics_url)
+        return (
+            metric(values, "llmpipe_time_to_first_token_seconds_count") >= 1
+            and metric(values, "llmpipe_inter_token_latency_seconds_bucket", le="+Inf") >= 1
+        )
+
+    assert _wait_for(latencies_counted), scrape_metrics(streaming.metrics_url)
 
 
 def test_bad_requests_are_client_errors_naming_the_input(streaming: TritonServer) -> None:

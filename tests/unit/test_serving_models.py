@@ -24,6 +24,7 @@ from pipeline.serving.repository.pbtxt import parse_model_config  # noqa: E402
 from pipeline.serving.repository.render import render_model_repository  # noqa: E402
 from pipeline.serving.triton_models.bls import BlsModel  # noqa: E402
 from pipeline.serving.triton_models.engine_model import TorchEngineModel  # noqa: E402
+from pipeline.serving.triton_models.metrics import CountedHistogram  # noqa: E402
 from pipeline.serving.triton_models.postprocessing import PostprocessingModel  # noqa: E402
 from pipeline.serving.triton_models.preprocessing import PreprocessingModel  # noqa: E402
 from pipeline.serving.triton_models.tokenization import load_tokenizer  # noqa: E402
@@ -154,6 +155,23 @@ def test_cancelled_and_stopped_requests_free_their_kv_blocks(engine_model: Torch
 
 
 def test_metrics_follow_the_engine(engine_model: TorchEngineModel) -> None:
+    def series(name: str, le: str | None = None) -> float:
+        family = pb.MetricFamily.families[name]
+        assert family.kind == family.COUNTER
+        (found,) = [m for m in family.metrics if le is None or m.labels["le"] == le]
+        return found.value()
+
+    latency_series = (
+        ("llmpipe_time_to_first_token_seconds_count", None),
+        ("llmpipe_time_to_first_token_seconds_bucket", "+Inf"),
+        ("llmpipe_inter_token_latency_seconds_count", None),
+        ("llmpipe_inter_token_latency_seconds_bucket", "+Inf"),
+        ("llmpipe_inter_token_latency_seconds_sum", None),
+    )
+    time.sleep(
+        0.3
+    )  # earlier tests' latencies reach the families at the first stats period with nothing running
+    before = [series(name, le) for name, le in latency_series]
     request = _engine_request([9, 10], 8)
     engine_model.execute([request])
     _wait(request.sender)
@@ -164,8 +182,26 @@ def test_metrics_follow_the_engine(engine_model: TorchEngineModel) -> None:
     }
     assert kv["max"] == engine_model.engine.stats().num_kv_blocks_total and kv["tokens_per"] == 16
     assert kv["used"] == 0 and kv["free"] == kv["max"]
-    ttft = pb.MetricFamily.families["llmpipe_time_to_first_token_seconds"].metrics[0]
-    assert ttft.observations and ttft.buckets
+    # Flushed at the stats period after the engine went idle: 8 tokens, one TTFT and 7 gaps between them.
+    added = [series(name, le) - old for (name, le), old in zip(latency_series, before, strict=True)]
+    assert added[:4] == [1, 1, 7, 7]
+    assert 0 < added[4] < 60
+
+
+def test_counted_histogram_adds_cumulative_buckets_once_per_flush() -> None:
+    histogram = CountedHistogram(pb, "h_seconds", "test", {"model": "m"}, (0.1, 1.0))
+    buckets = {m.labels["le"]: m for m in pb.MetricFamily.families["h_seconds_bucket"].metrics}
+    assert set(buckets) == {"0.1", "1.0", "+Inf"}
+    for value in (0.05, 0.1, 0.5, 7.0):
+        histogram.observe(value)
+    assert all(m.value() == 0 for m in buckets.values())  # nothing reaches Triton before a flush
+    histogram.flush()
+    histogram.flush()  # a second flush adds nothing
+    histogram.observe(0.2)
+    histogram.flush()
+    assert [buckets[le].value() for le in ("0.1", "1.0", "+Inf")] == [2, 4, 5]
+    assert pb.MetricFamily.families["h_seconds_count"].metrics[0].value() == 5
+    assert pb.MetricFamily.families["h_seconds_sum"].metrics[0].value() == pytest.approx(7.85)
 
 
 def test_non_decoupled_model_answers_once_and_refuses_streaming(repos: dict[bool, Path]) -> None:
