@@ -122,9 +122,7 @@ class Sampler:
 
 def _masked_argmax(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
     """Each row's argmax over the tokens it may take."""
-    bans = [
-        (i, token) for i, row in enumerate(rows) if _needs_processing(row) for token in row.banned_tokens()
-    ]
+    bans = [(i, token) for i, row in enumerate(rows) for token in row.banned_tokens()]
     if not bans:
         return logits.argmax(dim=-1)
     masked = logits.clone()

@@ -1079,6 +1079,8 @@ concept SlicesK = requires { &Fmt::template steps<Narrow, 1, 1>; };
 // runs, the machine's speed changing: 16 rows 0.99-1.04x, 128 rows 1.04x).
 constexpr int64_t kSliceK = 256;
 constexpr int64_t kSliceGroupRows = 24;
+template <int64_t MaxRows>
+constexpr int64_t kSliceGroupTiles = kSliceGroupRows / MaxRows;  // row tiles of MaxRows rows in a group
 
 // A tile's accumulators to or from the flat array that keeps them between slices, vector by vector.
 template <int NB, int MB, typename V>
@@ -1100,8 +1102,7 @@ template <typename V, int64_t MaxRows, int NB, typename Fmt>
 inline void sliced_group(const Fmt& f, const Problem& p, int64_t n0, const int64_t* first, int64_t tiles,
                          int64_t tiles_before, int64_t all_tiles) {
   // K > kSliceK: every tile takes at least one whole k-step, so `saved` holds every tile's accumulators.
-  constexpr int64_t kMaxTiles = kSliceGroupRows / MaxRows;
-  alignas(64) V saved[kMaxTiles][NB * MaxRows];
+  alignas(64) V saved[kSliceGroupTiles<MaxRows>][NB * MaxRows];
   const int64_t k_end = p.K / kStep * kStep;
   for (int64_t k0 = 0; k0 < k_end; k0 += kSliceK) {
     const int64_t k1 = k0 + kSliceK < k_end ? k0 + kSliceK : k_end;
@@ -1134,10 +1135,9 @@ inline int64_t next_tile_rows(int64_t rows_left, int64_t tiles_left) {
 // row_tiles' tiles, in groups of kSliceGroupRows rows that each take K slice by slice (sliced_group).
 template <typename V, int64_t MaxRows, int NB, typename Fmt>
 inline void sliced_tiles(const Fmt& f, const Problem& p, int64_t n0, int64_t tiles) {
-  constexpr int64_t kMaxTiles = kSliceGroupRows / MaxRows;
   for (int64_t t = 0, m = 0; t < tiles;) {
-    int64_t first[kMaxTiles + 1], group = 0;
-    for (; group < kMaxTiles && t < tiles; ++group, ++t) {
+    int64_t first[kSliceGroupTiles<MaxRows> + 1], group = 0;
+    for (; group < kSliceGroupTiles<MaxRows> && t < tiles; ++group, ++t) {
       first[group] = m;
       m += next_tile_rows(p.M - m, tiles - t);
     }
