@@ -288,6 +288,39 @@ def test_int8_on_amx_tiles_gives_the_register_tiles_bits(rows: int, int8_activat
 @pytest.mark.skipif(
     not (kernels.kernels_available() and kernels.tiles_available()), reason="no AMX tiles here"
 )
+def test_a_widened_bf16_weight_on_amx_tiles_gives_fp32_logits() -> None:
+    # 96 x 576: whole 16-row blocks and 32-wide k-steps, so steps of 2+ rows take the tiles. The activations are
+    # split into three bf16 parts whose products with the bf16 weights are exact: against a float64 product the
+    # error stays at fp32 summation's, where multiplying bf16-rounded activations would be ~1000x off, and the
+    # register tiles (the fp32 copy) agree to within that rounding.
+    w = random_weight(96, 576).bfloat16()
+    x = torch.randn(40, 576, generator=torch.Generator().manual_seed(1)) * 3
+    exact = x.double() @ w.double().T
+    scale = x.double().abs() @ w.double().abs().T  # the error bound of a K-term fp32 sum grows with it
+    before = kernels.set_tiles(True)
+    try:
+        together = kernels.gemm_f32(x, w)
+        for rows in (2, 5, 6, 7, 16, 17, 40):  # one shared tile, a tile per part, several groups
+            alone = kernels.gemm_f32(x[:rows], w)
+            assert torch.equal(alone, together[:rows]), rows
+            assert ((alone.double() - exact[:rows]).abs() <= 576 * 2**-24 * scale[:rows]).all(), rows
+        # One activation per row against weights of 1: every logit is that activation, all 24 bits of it.
+        single = torch.zeros(16, 576)
+        single[torch.arange(16), torch.arange(16) * 31] = x[:16, 0]
+        assert torch.equal(
+            kernels.gemm_f32(single, torch.ones(96, 576).bfloat16()), x[:16, :1].expand(16, 96)
+        )
+        rounded = F.linear(primitives.round_bf16(x), w.float())
+        assert ((rounded.double() - exact).abs() > 1e-4 * scale).any()
+        kernels.set_tiles(False)
+        assert_close_rel(kernels.gemm_f32(x, w), together, rel=1e-6)
+    finally:
+        kernels.set_tiles(before)
+
+
+@pytest.mark.skipif(
+    not (kernels.kernels_available() and kernels.tiles_available()), reason="no AMX tiles here"
+)
 @pytest.mark.parametrize(("group_size", "in_f"), [(32, 96), (192, 448), (128, 576), (448, 448)])
 def test_int4_on_amx_tiles_multiplies_the_bf16_rounded_values(group_size: int, in_f: int) -> None:
     # Steps of up to 16 rows dequantize each 16-row block one group at a time between their tile steps (groups

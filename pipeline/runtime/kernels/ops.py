@@ -70,7 +70,9 @@ def kernels_unavailable_reason() -> str:
 
 def gemm_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N] in fp32; a bf16 weight is read as the fp32 values it
-    widens to (the same result as its fp32 copy, bit for bit)."""
+    widens to: the same result as its fp32 copy, bit for bit, except on AMX tiles (steps of 2+ rows of
+    whole-tile shapes), whose products are as exact but whose fp32 sums go in another order (~1e-7 relative).
+    Either way a row's result does not depend on the rows beside it from 2 rows on."""
     return _op("gemm_f32")(x, weight, bias)
 
 
@@ -171,7 +173,8 @@ def greedy_argmax(
     """argmax_v x[r] . weight[v] per row of x [R, K] (int64 [R], first maximum on ties), screening with the int8
     copy (qweight [V, K], scales [V]) of weight [V, K]: exact when, for token v, error_per_l1[v] * ||x||_1 +
     error_per_level[v] * step (the row's int16 activation step, amax / 16383) bounds how far its screened logit
-    and its computed fp32 logit can each be from the true one. The exact logits are gemm_f32's, bit for bit."""
+    and its computed fp32 logit can each be from the true one. The exact logits are gemm_f32's register-tile
+    ones, bit for bit (a widened bf16 weight on AMX tiles sums them in another order)."""
     return _op("greedy_argmax")(x, qweight, scales, weight, error_per_l1, error_per_level)
 
 

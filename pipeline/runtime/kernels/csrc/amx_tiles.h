@@ -55,11 +55,13 @@ inline bool tiles_on() { return tiles_enabled.load(std::memory_order_relaxed) &&
 // (2 threads, SmolLM2-135M, scripts/bench_kernels.py ab, tiles / register tiles time, the tiles' prefetches
 // in): the bf16 decoder layers 1.04x at one row (0.91x at 2-4 rows, 0.47x at 16 without them); the int8
 // ones 1.00x at 4 rows, 0.87x at 5, 0.92x at 6, 0.78x at 7, 0.75x at 8; the int8 lm_head GEMM (greedy head)
-// 0.86x at 3 rows, 0.95x at 4, 0.80x at 6.
+// 0.86x at 3 rows, 0.95x at 4, 0.80x at 6. The widened bf16 lm_head (fp32 logits, TilesWidened): 1.02-1.06x at
+// one row, 0.80x at 2, 0.71x at 5, 0.57x at 8, 0.45x at 16.
 constexpr int64_t kBf16TileMinRows = 2;
 constexpr int64_t kInt8TileMinRows = 5;
 constexpr int64_t kW8A8TileMinRows = 2;
 constexpr int64_t kInt8GemmTileMinRows = 3;
+constexpr int64_t kWidenedTileMinRows = 2;
 
 // Whether a layer's shape walks in whole tiles: 16-row weight blocks (twice that for a gate_up pair, whose
 // gate and up halves go in units of 16 columns each) and whole tile steps along K.
@@ -287,6 +289,149 @@ struct TilesBF16 {
     const int64_t W = tile_width(p.M);
     for (int64_t i = 0; i < W && mb * W + i < p.M; ++i)
       put_tile_row(p, n0, mb * W + i, _mm512_castsi512_ps(tile_column(out, W, i)), _mm512_set1_ps(1.0f));
+  }
+};
+
+// bf16 weights read widened (a bf16 checkpoint's lm_head under fp32 compute): the fp32 logits with the bf16
+// tile unit. Each fp32 activation splits exactly into three bf16 parts, x = hi + mid + lo (hi = bf16(x), mid =
+// bf16(x - hi), lo = x - hi - mid: 8 + 8 + 8 significant bits cover fp32's 24), so every product w * part is
+// exact in fp32 and only the order of the fp32 sums differs from the register tiles' (DenseF32<bf16>): ~1e-7
+// relative, like any two fp32 GEMMs. Parts are summed on their own, then joined as (hi + mid) + lo, and no sum
+// depends on the rows beside its own: a row's logits do not change with the rows that share its step.
+// Each part sums along K in one accumulator. Up to 5 rows the three parts share one B tile; from 6 rows each
+// part of a group of up to 16 rows has a tile of its own, and every k-step loads its weights once into three
+// multiply-adds, one accumulator per part: three passes of TilesBF16 instead, each loading the weights again,
+// took 1.2-1.4x as long (SmolLM2's lm_head, 2 threads, 6-16 rows).
+struct TilesWidened {
+  static constexpr int kBlockRows = kTileRows;
+  static constexpr int kParts = 3;
+  TilesBF16 tiles;  // its xp: the B tiles of every group of activation rows in turn
+
+  // Activation rows per group, and whether its parts share one tile (else one tile per part).
+  static bool shared(int64_t M) { return kParts * M < kTileRows; }
+  static int64_t group_rows(int64_t M) { return shared(M) ? M : tile_width(M); }
+  static int64_t tiles_per_group(int64_t M) { return shared(M) ? 1 : kParts; }
+  // Columns of every B tile (what start_tiles configures).
+  static int64_t columns(int64_t M) { return shared(M) ? kParts * M : tile_width(M); }
+  static int64_t num_tiles(int64_t M) { return (M + group_rows(M) - 1) / group_rows(M) * tiles_per_group(M); }
+
+  static int64_t scratch_floats(int64_t M, int64_t K) { return num_tiles(M) * columns(M) * K / 2 + kAlignSlack; }
+
+  static TilesWidened prepare(const bf16* w, const Problem& p, float* scratch) {
+    const int64_t R = group_rows(p.M), T = tiles_per_group(p.M), W = columns(p.M), Q = p.K / 2;
+    auto* packed = reinterpret_cast<uint16_t*>(line_aligned(scratch));
+    if (p.M % R != 0) memset(packed, 0, sizeof(uint16_t) * 2 * num_tiles(p.M) * W * Q);  // a short last group
+    for (int64_t m = 0; m < p.M; ++m) {
+      const float* xm = p.x + m * p.ldx;
+      for (int t = 0; t < kParts; ++t) {
+        // Part t of row m: column (T == 1 ? t R : 0) + m % R of tile (m / R) T + (T == 1 ? 0 : t), k-pairs.
+        uint16_t* column = packed + ((m / R) * T + (T == 1 ? 0 : t)) * Q * W * 2 + ((T == 1 ? t * R : 0) + m % R) * 2;
+        for (int64_t k = 0; k < p.K; ++k) {
+          const float rest = xm[k] - widen(narrow(xm[k]));
+          const float part = t == 0 ? xm[k] : t == 1 ? rest : rest - widen(narrow(rest));
+          column[(k / 2) * W * 2 + k % 2] = narrow(part);
+        }
+      }
+    }
+    asm volatile("" ::: "memory");  // the tile loads read `packed` through asm the compiler cannot see into
+    return TilesWidened{TilesBF16{w, reinterpret_cast<const uint32_t*>(packed)}};
+  }
+
+  // x rounded to the nearest bf16 (ties to even), and back: both exact where the split needs them.
+  static uint16_t narrow(float x) {
+    uint32_t b;
+    memcpy(&b, &x, sizeof b);
+    return static_cast<uint16_t>(bf16_round_bits(b) >> 16);
+  }
+  static float widen(uint16_t h) {
+    const uint32_t b = uint32_t{h} << 16;
+    float x;
+    memcpy(&x, &b, sizeof x);
+    return x;
+  }
+
+  // The one group's shared tile (up to 5 rows) against the 16 weight rows at wb, into C0 along K as
+  // part_pass sums each part, so both paths give a row the same bits.
+  void shared_pass(const Problem& p, const bf16* wb, bool prefetch, float out[kTileRows * kTileRows]) const {
+    const int64_t K = p.K, steps = K / kBf16TileK, ldb = 4 * columns(p.M);
+    _tile_zero(0);
+    for (int64_t c = 0; c < steps; ++c) {
+      if (prefetch) prefetch_rows(reinterpret_cast<const char*>(wb), K * 2, steps, c);
+      const bf16* a = wb + c * kBf16TileK;
+      const uint32_t* b = tiles.xp + c * 16 * (ldb / 4);
+      if (c % 2 == 0) {
+        _tile_loadd(4, a, K * 2);
+        _tile_loadd(6, b, ldb);
+        _tile_dpbf16ps(0, 4, 6);
+      } else {
+        _tile_loadd(5, a, K * 2);
+        _tile_loadd(7, b, ldb);
+        _tile_dpbf16ps(0, 5, 7);
+      }
+    }
+    _tile_stored(0, out, ldb);
+  }
+
+  // Group g's three part tiles against the 16 weight rows at wb: C0 (hi), C1 (mid) and C2 (lo). The weights
+  // alternate between tiles 4 and 5 by k-step; the parts go through 6, 7 and 3 (an accumulator-shaped tile
+  // is a B tile's shape).
+  void part_pass(const Problem& p, const bf16* wb, int64_t g, bool prefetch, float out[kParts][kTileRows * kTileRows]) const {
+    const int64_t K = p.K, steps = K / kBf16TileK, W = columns(p.M), ldb = 4 * W, tile = (K / 2) * W;
+    const uint32_t* xb = tiles.xp + g * kParts * tile;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    for (int64_t c = 0; c < steps; ++c) {
+      if (prefetch) prefetch_rows(reinterpret_cast<const char*>(wb), K * 2, steps, c);
+      const uint32_t* b = xb + c * 16 * W;
+      if (c % 2 == 0)
+        part_step<4>(wb + c * kBf16TileK, K * 2, b, tile, ldb);
+      else
+        part_step<5>(wb + c * kBf16TileK, K * 2, b, tile, ldb);
+    }
+    _tile_stored(0, out[0], ldb);
+    _tile_stored(1, out[1], ldb);
+    _tile_stored(2, out[2], ldb);
+  }
+
+  // (GCC pastes tile register numbers into the assembly as written: each weight tile has its own spelling.)
+  template <int kA>
+  static void part_step(const void* a, int64_t lda, const uint32_t* b, int64_t tile, int64_t ldb) {
+    if constexpr (kA == 4) {
+      _tile_loadd(4, a, lda);
+      _tile_loadd(6, b, ldb);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(7, b + tile, ldb);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_loadd(3, b + 2 * tile, ldb);
+      _tile_dpbf16ps(2, 4, 3);
+    } else {
+      _tile_loadd(5, a, lda);
+      _tile_loadd(6, b, ldb);
+      _tile_dpbf16ps(0, 5, 6);
+      _tile_loadd(7, b + tile, ldb);
+      _tile_dpbf16ps(1, 5, 7);
+      _tile_loadd(3, b + 2 * tile, ldb);
+      _tile_dpbf16ps(2, 5, 3);
+    }
+  }
+
+  void whole_block(const Problem& p, int64_t n0) const {
+    const int64_t R = group_rows(p.M), T = tiles_per_group(p.M), W = columns(p.M);
+    const bf16* wb = tiles.w + n0 * p.K;
+    alignas(64) float out[kParts][kTileRows * kTileRows];
+    for (int64_t g = 0; g * R < p.M; ++g) {
+      if (T == 1)
+        shared_pass(p, wb, g == 0, out[0]);
+      else
+        part_pass(p, wb, g, g == 0, out);
+      for (int64_t i = 0; i < R && g * R + i < p.M; ++i) {
+        const auto part = [&](int t) {
+          return _mm512_castsi512_ps(tile_column(out[T == 1 ? 0 : t], W, (T == 1 ? t * R : 0) + i));
+        };
+        put_tile_row(p, n0, g * R + i, _mm512_add_ps(_mm512_add_ps(part(0), part(1)), part(2)), _mm512_set1_ps(1.0f));
+      }
+    }
   }
 };
 

@@ -68,7 +68,9 @@ int greedy_argmax_int8(const float* x, int64_t R, int64_t K, const int8_t* qweig
     float best_logit = 0.0f;
     const auto consider = [&](int64_t v) {
       // NOTE: dense_block's per-row summation order depends neither on its block shape nor on its vector form,
-      // so this equals the logit gemm_f32 computes for the same row (the sampling path's logits) bit for bit.
+      // so this equals the logit gemm_f32 computes for the same row (the sampling path's logits) bit for bit,
+      // except for a widened bf16 head on AMX tiles (TilesWidened), which sums the same products in another
+      // order: there a near tie (~1e-7 relative) may go the other way than in the logits.
       float logit[1][1];
       if (widened_bf16) {
         const bf16* w = static_cast<const bf16*>(weight) + v * K;

@@ -55,7 +55,10 @@ void run_tiles(const Fmt& f, const Problem& p, int num_threads) {
   const int64_t num_blocks = p.N / Fmt::kBlockRows;
 #pragma omp parallel num_threads(num_threads) if (worth_threads(p, num_threads))
   {
-    start_tiles(tile_width(p.M));
+    if constexpr (requires { Fmt::columns(p.M); })
+      start_tiles(Fmt::columns(p.M));
+    else
+      start_tiles(tile_width(p.M));
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < num_blocks; ++b) row_block<Fmt::kBlockRows>(f, p, b);
     stop_tiles();
@@ -71,6 +74,16 @@ extern "C" {
 void llmp_gemm_f32(const float* x, int64_t M, int64_t K, int64_t ldx, const void* w, bool widened_bf16,
                    const float* bias, float* y, int64_t N, int num_threads) {
   const Problem p{x, M, K, ldx, N, bias, y, N, false};
+#if defined(LLMP_TILES)
+  if (widened_bf16 && M >= kWidenedTileMinRows && tiles_fit(N, K, kBf16TileK, false) && tiles_on()) {
+    float* tile_scratch = static_cast<float*>(malloc(sizeof(float) * TilesWidened::scratch_floats(M, K)));
+    if (tile_scratch) {
+      run_tiles(TilesWidened::prepare(static_cast<const bf16*>(w), p, tile_scratch), p, num_threads);
+      free(tile_scratch);
+      return;
+    }
+  }
+#endif
   if (widened_bf16)
     run<4>(DenseF32{static_cast<const bf16*>(w)}, p, num_threads);
   else
