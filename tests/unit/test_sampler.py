@@ -131,7 +131,9 @@ def test_greedy_rows_with_bans_take_the_best_token_they_may_in_one_batch() -> No
         ),
         make_row([1, 2], [], temperature=0.0, logprobs=True),
     ]
+    before = logits.clone()
     tokens, logprobs = Sampler()(logits, rows)
+    assert torch.equal(logits, before)  # the bans went in and came out again
     assert tokens == [int(process_logits(logits[i], row).argmax()) for i, row in enumerate(rows)]
     assert all(token != banned for token, banned in zip(tokens, (7, 8, 31), strict=False))
     assert tokens[3] == int(logits[3].argmax())
