@@ -9,7 +9,9 @@
 measured against). `breakdown`: an in-process engine decodes --concurrency requests and every decode step is
 split into the fused decoder-layer kernel (all layers' GEMMs, norms, MLP), paged attention, the greedy lm_head
 and the rest (Python: scheduler, metadata, embedding), in wall-clock ms per step (and the step's CPU ms, all
-threads), with the decoder kernel's achieved GB/s (weights read) and GFLOP/s.
+threads), with the decoder kernel's achieved GB/s (weights read) and GFLOP/s. To time the two apart it runs
+a step as one kernel call per layer and one attention call per layer, as the engine does for models with q/k
+norms; the engine runs other models' steps in one call, so their steps take less than the sum shown here.
 `ab`: the fused decoder kernel alone over all layers, and the greedy lm_head, at each row count, one subprocess
 per variant and round, the variants interleaved so that load from other processes lands on all of them; a
 variant is an instruction set (LLMPIPE_KERNEL_ISA) or the path of a kernel library built earlier (e.g. a copy

@@ -18,6 +18,7 @@ from pipeline.runtime.engine.llm_engine import LLMEngine
 from pipeline.runtime.kernels import ops as kernels
 from pipeline.runtime.model.layers import DenseLinear
 from pipeline.runtime.worker.model_runner import ModelRunner
+from tests.kernel_helpers import assert_widened_logits
 from tests.serving_helpers import build_tiny_engine
 
 LIMITS = {"max_batch_size": 8, "max_input_len": 512, "max_seq_len": 1024, "max_num_tokens": 512}
@@ -61,7 +62,8 @@ def test_layer_weights_are_bf16_and_the_rest_computes_in_fp32(bf16_runner: Model
     assert head.weight.dtype == (torch.bfloat16 if head.widened else torch.float32)
     model, x = bf16_runner.model, torch.randn(3, head.weight.shape[1])
     normed = model.norm(x.clone(), None, weights.final_norm)
-    assert torch.equal(model.compute_logits(x.clone()), DenseLinear(head.weight.float())(normed))
+    fp32_copy = DenseLinear(head.weight.float())(normed)
+    assert_widened_logits(lambda: model.compute_logits(x.clone()), fp32_copy)
     if kernels.kernels_available():
         assert bf16_runner.model.fused is not None  # decode steps take the kernel's bf16 path
 
@@ -115,14 +117,22 @@ def test_a_tied_bf16_head_read_widened_gives_the_fp32_copys_tokens_and_logprobs(
     rng = random.Random(1)
     prompts = [[rng.randrange(10, 200) for _ in range(n)] for n in (5, 23, 2)]
 
-    def run() -> tuple[ModelRunner, list[tuple[list[int], list[float]]]]:
-        runner = ModelRunner.from_engine_dir(engine_dir, RunnerArgs(device="cpu"))
-        engine = LLMEngine(runner, SchedulerConfig(**LIMITS))  # type: ignore[arg-type]
-        greedy = SamplingParams(max_tokens=10, min_tokens=10, temperature=0.0)
-        logprobs = SamplingParams(max_tokens=10, min_tokens=10, temperature=0.0, logprobs=True)
-        out = engine.generate(prompts * 2, [greedy] * len(prompts) + [logprobs] * len(prompts))
-        return runner, [(r.output_token_ids, r.output_logprobs) for r in out]
+    def run(tiles: bool = False) -> tuple[ModelRunner, list[tuple[list[int], list[float]]]]:
+        # The register tiles: AMX tiles sum a widened head's logits in another order (checked below).
+        before = kernels.set_tiles(tiles) if kernels.kernels_available() else False
+        try:
+            runner = ModelRunner.from_engine_dir(engine_dir, RunnerArgs(device="cpu"))
+            engine = LLMEngine(runner, SchedulerConfig(**LIMITS))  # type: ignore[arg-type]
+            greedy = SamplingParams(max_tokens=10, min_tokens=10, temperature=0.0)
+            logprobs = SamplingParams(max_tokens=10, min_tokens=10, temperature=0.0, logprobs=True)
+            out = engine.generate(prompts * 2, [greedy] * len(prompts) + [logprobs] * len(prompts))
+            return runner, [(r.output_token_ids, r.output_logprobs) for r in out]
+        finally:
+            if kernels.kernels_available():
+                kernels.set_tiles(before)
 
+    if kernels.kernels_available() and kernels.tiles_available():
+        _, on_tiles = run(tiles=True)
     widened_runner, widened = run()
     weights = widened_runner.model.weights
     assert weights.embedding is weights.lm_head.weight  # type: ignore[attr-defined]
@@ -139,3 +149,7 @@ def test_a_tied_bf16_head_read_widened_gives_the_fp32_copys_tokens_and_logprobs(
     fp32_runner, fp32_copy = run()
     assert fp32_runner.model.weights.embedding.dtype == torch.float32
     assert widened == fp32_copy
+    if kernels.kernels_available() and kernels.tiles_available():
+        for (tokens, logprobs), (want_tokens, want_logprobs) in zip(on_tiles, fp32_copy, strict=True):
+            assert tokens == want_tokens
+            assert logprobs == pytest.approx(want_logprobs, rel=1e-5, abs=1e-6)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from pipeline.runtime.engine_config import model_config_from_dict
 from pipeline.runtime.kernels import build
 from pipeline.runtime.kernels import ops as kernels
-from pipeline.runtime.model.attention import LayerAttention, TorchAttention
+from pipeline.runtime.model.attention import KernelAttention, LayerAttention, TorchAttention
 from pipeline.runtime.model.decoder import DecoderModel
 from pipeline.runtime.model.fused_decoder import FusedDecoder
 from pipeline.runtime.model.layers import DenseLinear, Linear, ResidualRMSNorm
@@ -405,12 +405,35 @@ MODEL_LAYOUTS = {
 }
 
 
-def model_steps(config, weights: ModelWeights, fused: bool) -> list[torch.Tensor]:
-    """The hidden states of a prefill and then decode steps of 3 sequences, fused or op by op."""
+class CallPerLayer:
+    """An attention that is not KernelAttention to the fused decoder: its steps go one call per layer."""
+
+    def __init__(self, inner: KernelAttention) -> None:
+        self.inner = inner
+
+    def begin_step(self, meta) -> None:
+        self.inner.begin_step(meta)
+
+    def __call__(self, layer: int, qkv: torch.Tensor, meta) -> torch.Tensor:
+        return self.inner(layer, qkv, meta)
+
+
+def model_steps(
+    config, weights: ModelWeights, fused: bool, attention: str = "torch", window: int | None = None
+) -> list[torch.Tensor]:
+    """The hidden states of a prefill and then decode steps of 3 sequences, fused or op by op; `attention`:
+    torch, kernel (the fused decoder runs whole steps) or kernel per layer (a call per layer)."""
     cache = KVCache(config, 16, 4, torch.float32, torch.device("cpu"), zero=True)
-    layer_attention = [LayerAttention(rotary_cos_sin(config, 128), None)] * len(weights.layers)
-    attention = TorchAttention(cache, config, layer_attention)
-    model = DecoderModel(config, weights, attention, ResidualRMSNorm(False, 64, EPS))
+    layer_attention = [LayerAttention(rotary_cos_sin(config, 128), window)] * len(weights.layers)
+    if attention == "torch":
+        model = DecoderModel(
+            config, weights, TorchAttention(cache, config, layer_attention), ResidualRMSNorm(False, 64, EPS)
+        )
+    else:
+        kernel = KernelAttention(cache, config, layer_attention)
+        model = DecoderModel(config, weights, kernel, ResidualRMSNorm(False, 64, EPS))
+        if attention == "kernel per layer":
+            model.attention = CallPerLayer(kernel)
     assert model.fused is not None
     if not fused:
         model.fused = None
@@ -421,6 +444,8 @@ def model_steps(config, weights: ModelWeights, fused: bool) -> list[torch.Tensor
         meta = build_attention_metadata(chunks, 4, torch.device("cpu"), padded=True)
         ids = torch.randint(0, 50, (meta.num_tokens,), generator=torch.Generator().manual_seed(start))
         steps.append(model.forward(ids, meta).clone())
+    if attention == "kernel" and fused:
+        assert model.fused._bound is model.attention  # the steps ran whole, in one call each
     return steps
 
 
@@ -478,6 +503,33 @@ def test_model_step_equals_op_by_op_path(layout: str, scheme: str | None, group:
     embedding = torch.randn(50, 64, generator=gen)
     weights = ModelWeights(embedding, layers, torch.ones(64), DenseLinear(embedding))
     assert_steps_match(model_steps(config, weights, True), model_steps(config, weights, False), scheme)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("scheme", [None, "int8"])
+def test_a_whole_step_in_one_call_equals_a_call_per_layer(scheme: str | None, window: int | None) -> None:
+    """With the attention kernel the fused decoder runs a step's layers and their attention in one call; the
+    hidden states are those of one call per layer, bit for bit (a sliding window included)."""
+    config = model_config_from_dict({**MODEL_CONFIG, "hidden_act": "silu"})
+    gen = torch.Generator().manual_seed(0)
+    layers = [
+        LayerWeights(
+            input_norm=torch.rand(64, generator=gen) + 0.5,
+            qkv=make_linear(128, 64, scheme, None, 10 * i)[0],
+            dense=make_linear(64, 64, scheme, None, 10 * i + 1)[0],
+            post_norm=torch.rand(64, generator=gen) + 0.5,
+            gate_up=make_linear(192, 64, scheme, None, 10 * i + 2)[0],
+            proj=make_linear(64, 96, scheme, None, 10 * i + 3)[0],
+        )
+        for i in range(3)
+    ]
+    embedding = torch.randn(50, 64, generator=gen)
+    weights = ModelWeights(embedding, layers, torch.ones(64), DenseLinear(embedding))
+    whole = model_steps(config, weights, True, "kernel", window)
+    per_layer = model_steps(config, weights, True, "kernel per layer", window)
+    for whole_step, per_layer_step in zip(whole, per_layer, strict=True):
+        assert torch.equal(whole_step, per_layer_step)
+    assert_steps_match(whole, model_steps(config, weights, False, "kernel", window), scheme)
 
 
 @pytest.mark.parametrize("normalize", [True, False])

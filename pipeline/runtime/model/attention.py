@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -140,6 +140,25 @@ class KernelAttention:
             block_size,
             params.window or 0,
             meta.max_context_len,
+            attention_scale(c),
+            c.attn_logit_softcapping or 0.0,
+        )
+
+    def plan_binding(self) -> tuple[Any, ...] | None:
+        """DecoderPlan.bind_attention's arguments, so the fused decoder runs whole steps in one call; None for
+        a model with q/k norms, whose layers' attention stays a call each (its norms are torch ops)."""
+        if self.qk_norm is not None:
+            return None
+        c = self.config
+        return (
+            [k for k, _, _, _, _ in self._layer_args],
+            [v for _, v, _, _, _ in self._layer_args],
+            [k_scales for _, _, k_scales, _, _ in self._layer_args],
+            [v_scales for _, _, _, v_scales, _ in self._layer_args],
+            [cos_sin for *_, cos_sin in self._layer_args],
+            [params.window or 0 for params in self.layers],
+            c.num_attention_heads,
+            self.kv_cache.block_size,
             attention_scale(c),
             c.attn_logit_softcapping or 0.0,
         )

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "decoder.h"
+#include "paged_attention_op.h"
 #include "torch_checks.h"
 
 namespace {
@@ -175,6 +176,38 @@ struct DecoderPlan : torch::CustomClassHolder {
     return out;
   }
 
+  // Each layer's paged attention (KernelAttention's): its K and V caches, their scales (an int8 cache), RoPE
+  // table and window, and what all layers share. Bound once per cache; forward() then runs whole steps.
+  void bind_attention(const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
+                      const c10::List<std::optional<at::Tensor>>& k_scales,
+                      const c10::List<std::optional<at::Tensor>>& v_scales, const std::vector<at::Tensor>& cos_sins,
+                      const std::vector<int64_t>& windows, int64_t num_heads, int64_t block_size, double scale,
+                      double softcap) {
+    const size_t layers = steps_.size() - 1;
+    TORCH_CHECK(k_caches.size() == layers && v_caches.size() == layers && k_scales.size() == layers &&
+                    v_scales.size() == layers && cos_sins.size() == layers && windows.size() == layers,
+                "DecoderPlan.bind_attention: expected ", layers, " layers of caches, scales, RoPE tables and windows");
+    attention_ = {k_caches, v_caches, k_scales.vec(), v_scales.vec(), cos_sins, windows, num_heads, block_size,
+                  scale, softcap};
+  }
+
+  // A whole step: the first entry, then every layer's attention and the entry after it, with no return to
+  // Python between them (each return cost a call's overhead, and the OpenMP workers' sleep and wake-up across
+  // it). hidden [M, H] is updated in place and returned; the step arguments are an AttentionMetadata's.
+  at::Tensor forward(const at::Tensor& hidden, const at::Tensor& positions, const at::Tensor& slots,
+                     const at::Tensor& block_tables, const at::Tensor& token_seq, int64_t max_context) const {
+    TORCH_CHECK(attention_.has_value(), "DecoderPlan.forward: bind_attention first");
+    const Attention& a = *attention_;
+    at::Tensor qkv = run(0, hidden, std::nullopt);
+    for (size_t i = 0; i + 1 < steps_.size(); ++i) {
+      const at::Tensor attn = llmp::paged_attention_op(
+          qkv, a.k_caches[i], a.v_caches[i], a.k_scales[i], a.v_scales[i], a.cos_sins[i], positions, slots,
+          block_tables, token_seq, a.num_heads, a.block_size, a.windows[i], max_context, a.scale, a.softcap);
+      qkv = run(static_cast<int64_t>(i) + 1, hidden, attn);
+    }
+    return hidden;
+  }
+
  private:
   static llmp::DecoderStep make_step(const c10::List<std::optional<at::Tensor>>& linears,
                                      const c10::List<std::optional<at::Tensor>>& norms,
@@ -261,6 +294,16 @@ struct DecoderPlan : torch::CustomClassHolder {
     std::vector<llmp::LinearRef> gate_up, down;  // what block points into
   };
 
+  struct Attention {
+    std::vector<at::Tensor> k_caches, v_caches;
+    std::vector<std::optional<at::Tensor>> k_scales, v_scales;
+    std::vector<at::Tensor> cos_sins;
+    std::vector<int64_t> windows;
+    int64_t num_heads, block_size;
+    double scale, softcap;
+  };
+
+  std::optional<Attention> attention_;
   std::vector<at::Tensor> keep_;  // the weights the templates point into
   std::vector<llmp::DecoderStep> steps_;
   std::vector<std::unique_ptr<MoEStore>> moes_;
@@ -273,5 +316,7 @@ TORCH_LIBRARY_FRAGMENT(llmpipe_quant, m) {
       .def(torch::init<c10::List<std::optional<at::Tensor>>, c10::List<std::optional<at::Tensor>>,
                        std::vector<int64_t>, double, std::string, bool, c10::List<std::optional<at::Tensor>>,
                        std::vector<int64_t>, std::vector<int64_t>>())
-      .def("run", &DecoderPlan::run);
+      .def("run", &DecoderPlan::run)
+      .def("bind_attention", &DecoderPlan::bind_attention)
+      .def("forward", &DecoderPlan::forward);
 }

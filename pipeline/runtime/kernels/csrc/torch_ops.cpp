@@ -16,6 +16,7 @@
 #include "gemm_blocks.h"
 #include "greedy_head.h"
 #include "paged_attention.h"
+#include "paged_attention_op.h"
 #include "rms_norm.h"
 #include "torch_checks.h"
 
@@ -149,10 +150,64 @@ at::Tensor greedy_argmax(const at::Tensor& x_in, const at::Tensor& qweight, cons
   return out;
 }
 
+
+// hidden [T, H] += delta (when given), then a new RMSNorm(hidden) * weight (rms_norm.h).
+at::Tensor add_rms_norm(const at::Tensor& hidden, const std::optional<at::Tensor>& delta, const at::Tensor& weight,
+                        double eps) {
+  TORCH_CHECK(hidden.dim() == 2, "hidden: expected [T, H], got ", hidden.sizes());
+  const int64_t T = hidden.size(0), H = hidden.size(1);
+  expect(hidden, at::kFloat, {T, H}, "hidden");
+  if (delta) expect(*delta, at::kFloat, {T, H}, "delta");
+  expect(weight, at::kFloat, {H}, "weight");
+  at::Tensor out = at::empty({T, H}, hidden.options());
+  llmp::add_rms_norm(hidden.data_ptr<float>(), delta ? delta->const_data_ptr<float>() : nullptr,
+                     weight.const_data_ptr<float>(), out.mutable_data_ptr<float>(), T, H, static_cast<float>(eps));
+  return out;
+}
+
+// One-row steps in 512-bit vectors (on) or 256-bit ones (off); returns the previous setting. Builds without
+// AVX-512 have only the latter: there it stays off.
+bool set_wide_single_row(bool on) {
+#if defined(__AVX512F__)
+  return llmp::wide_single_row.exchange(on);
+#else
+  (void)on;
+  return false;
+#endif
+}
+
+// bf16, int8 and int4 linears of whole-tile shapes on AMX tiles (on) or on the register tiles (off); returns the
+// previous setting. Builds without AMX, or a kernel that refuses the tile state, have only the latter: there it
+// stays off.
+bool set_tiles(bool on) {
+#if defined(LLMP_TILES)
+  if (!llmp::tiles_permitted()) return false;
+  return llmp::tiles_enabled.exchange(on);
+#else
+  (void)on;
+  return false;
+#endif
+}
+
+// Whether this build has AMX tiles and Linux granted this process their state.
+bool tiles_available() {
+#if defined(LLMP_TILES)
+  return llmp::tiles_permitted();
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+namespace llmp {
+
+using torch_checks::expect;
+
 // One layer's RoPE, K/V cache write and paged attention (layouts: paged_attention.cpp). The cache's dtype picks
 // its format; an int8 cache comes with its scales. The position, slot and block-table values are the caller's
 // to keep in range (checked once per step, not per layer).
-at::Tensor paged_attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache,
+at::Tensor paged_attention_op(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const std::optional<at::Tensor>& k_scales, const std::optional<at::Tensor>& v_scales,
                            const at::Tensor& cos_sin, const at::Tensor& positions, const at::Tensor& slots,
                            const at::Tensor& block_tables, const at::Tensor& token_seq, int64_t H,
@@ -214,54 +269,7 @@ at::Tensor paged_attention(const at::Tensor& qkv, const at::Tensor& k_cache, con
   return out;
 }
 
-// hidden [T, H] += delta (when given), then a new RMSNorm(hidden) * weight (rms_norm.h).
-at::Tensor add_rms_norm(const at::Tensor& hidden, const std::optional<at::Tensor>& delta, const at::Tensor& weight,
-                        double eps) {
-  TORCH_CHECK(hidden.dim() == 2, "hidden: expected [T, H], got ", hidden.sizes());
-  const int64_t T = hidden.size(0), H = hidden.size(1);
-  expect(hidden, at::kFloat, {T, H}, "hidden");
-  if (delta) expect(*delta, at::kFloat, {T, H}, "delta");
-  expect(weight, at::kFloat, {H}, "weight");
-  at::Tensor out = at::empty({T, H}, hidden.options());
-  llmp::add_rms_norm(hidden.data_ptr<float>(), delta ? delta->const_data_ptr<float>() : nullptr,
-                     weight.const_data_ptr<float>(), out.mutable_data_ptr<float>(), T, H, static_cast<float>(eps));
-  return out;
-}
-
-// One-row steps in 512-bit vectors (on) or 256-bit ones (off); returns the previous setting. Builds without
-// AVX-512 have only the latter: there it stays off.
-bool set_wide_single_row(bool on) {
-#if defined(__AVX512F__)
-  return llmp::wide_single_row.exchange(on);
-#else
-  (void)on;
-  return false;
-#endif
-}
-
-// bf16, int8 and int4 linears of whole-tile shapes on AMX tiles (on) or on the register tiles (off); returns the
-// previous setting. Builds without AMX, or a kernel that refuses the tile state, have only the latter: there it
-// stays off.
-bool set_tiles(bool on) {
-#if defined(LLMP_TILES)
-  if (!llmp::tiles_permitted()) return false;
-  return llmp::tiles_enabled.exchange(on);
-#else
-  (void)on;
-  return false;
-#endif
-}
-
-// Whether this build has AMX tiles and Linux granted this process their state.
-bool tiles_available() {
-#if defined(LLMP_TILES)
-  return llmp::tiles_permitted();
-#else
-  return false;
-#endif
-}
-
-}  // namespace
+}  // namespace llmp
 
 TORCH_LIBRARY(llmpipe_quant, m) {
   m.def("gemm_f32(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
@@ -288,6 +296,6 @@ TORCH_LIBRARY_IMPL(llmpipe_quant, CPU, m) {
   m.impl("dequant_int8", dequant_int8);
   m.impl("dequant_int4", dequant_int4);
   m.impl("greedy_argmax", greedy_argmax);
-  m.impl("paged_attention", paged_attention);
+  m.impl("paged_attention", llmp::paged_attention_op);
   m.impl("add_rms_norm", add_rms_norm);
 }
