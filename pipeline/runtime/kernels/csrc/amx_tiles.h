@@ -394,27 +394,24 @@ struct TilesWidened {
     _tile_stored(2, out[2], ldb);
   }
 
-  // (GCC pastes tile register numbers into the assembly as written: each weight tile has its own spelling.)
+  // GCC pastes tile register numbers into the assembly as written, so the weight tile is a macro argument.
+#define LLMP_WIDENED_PART_STEP(A)          \
+  _tile_loadd(A, a, lda);                  \
+  _tile_loadd(6, b, ldb);                  \
+  _tile_dpbf16ps(0, A, 6);                 \
+  _tile_loadd(7, b + tile, ldb);           \
+  _tile_dpbf16ps(1, A, 7);                 \
+  _tile_loadd(3, b + 2 * tile, ldb);       \
+  _tile_dpbf16ps(2, A, 3)
   template <int kA>
   static void part_step(const void* a, int64_t lda, const uint32_t* b, int64_t tile, int64_t ldb) {
     if constexpr (kA == 4) {
-      _tile_loadd(4, a, lda);
-      _tile_loadd(6, b, ldb);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_loadd(7, b + tile, ldb);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_loadd(3, b + 2 * tile, ldb);
-      _tile_dpbf16ps(2, 4, 3);
+      LLMP_WIDENED_PART_STEP(4);
     } else {
-      _tile_loadd(5, a, lda);
-      _tile_loadd(6, b, ldb);
-      _tile_dpbf16ps(0, 5, 6);
-      _tile_loadd(7, b + tile, ldb);
-      _tile_dpbf16ps(1, 5, 7);
-      _tile_loadd(3, b + 2 * tile, ldb);
-      _tile_dpbf16ps(2, 5, 3);
+      LLMP_WIDENED_PART_STEP(5);
     }
   }
+#undef LLMP_WIDENED_PART_STEP
 
   void whole_block(const Problem& p, int64_t n0) const {
     const int64_t R = group_rows(p.M), T = tiles_per_group(p.M), W = columns(p.M);
