@@ -166,7 +166,7 @@ class QuantLinear(torch.nn.Module):
 def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear in x's dtype, but fp32 CPU inputs of few rows go to the hand GEMV (faster than torch's, e.g.
     for the lm_head). `weight` [out, in] is fp32, or bf16 taken as the fp32 values it widens to (the GEMV
-    reads it as it is: the same bits as from the widened copy, half the bytes; more rows than the GEMV takes,
+    reads it as it is: the widened copy's logits at half the bytes, see kernels.gemm_f32; more rows than it takes,
     e.g. every prompt position's logits, multiply a widened copy made for the call); it must be contiguous to
     take the kernel path."""
     if (

@@ -305,7 +305,8 @@ struct TilesBF16 {
 struct TilesWidened {
   static constexpr int kBlockRows = kTileRows;
   static constexpr int kParts = 3;
-  TilesBF16 tiles;  // its xp: the B tiles of every group of activation rows in turn
+  const bf16* w;
+  const uint32_t* xp;  // the B tiles of every group of activation rows in turn
 
   // Activation rows per group, and whether its parts share one tile (else one tile per part).
   static bool shared(int64_t M) { return kParts * M < kTileRows; }
@@ -323,18 +324,22 @@ struct TilesWidened {
     if (p.M % R != 0) memset(packed, 0, sizeof(uint16_t) * 2 * num_tiles(p.M) * W * Q);  // a short last group
     for (int64_t m = 0; m < p.M; ++m) {
       const float* xm = p.x + m * p.ldx;
-      for (int t = 0; t < kParts; ++t) {
-        // Part t of row m: column (T == 1 ? t R : 0) + m % R of tile (m / R) T + (T == 1 ? 0 : t), k-pairs.
-        uint16_t* column = packed + ((m / R) * T + (T == 1 ? 0 : t)) * Q * W * 2 + ((T == 1 ? t * R : 0) + m % R) * 2;
-        for (int64_t k = 0; k < p.K; ++k) {
-          const float rest = xm[k] - widen(narrow(xm[k]));
-          const float part = t == 0 ? xm[k] : t == 1 ? rest : rest - widen(narrow(rest));
-          column[(k / 2) * W * 2 + k % 2] = narrow(part);
-        }
+      // Part t of row m: column (T == 1 ? t R : 0) + m % R of tile (m / R) T + (T == 1 ? 0 : t), k-pairs.
+      uint16_t* column[kParts];
+      for (int t = 0; t < kParts; ++t)
+        column[t] = packed + ((m / R) * T + (T == 1 ? 0 : t)) * Q * W * 2 + ((T == 1 ? t * R : 0) + m % R) * 2;
+      for (int64_t k = 0; k < p.K; ++k) {
+        const int64_t at = (k / 2) * W * 2 + k % 2;
+        const uint16_t hi = narrow(xm[k]);
+        const float rest = xm[k] - widen(hi);
+        const uint16_t mid = narrow(rest);
+        column[0][at] = hi;
+        column[1][at] = mid;
+        column[2][at] = narrow(rest - widen(mid));
       }
     }
     asm volatile("" ::: "memory");  // the tile loads read `packed` through asm the compiler cannot see into
-    return TilesWidened{TilesBF16{w, reinterpret_cast<const uint32_t*>(packed)}};
+    return TilesWidened{w, reinterpret_cast<const uint32_t*>(packed)};
   }
 
   // x rounded to the nearest bf16 (ties to even), and back: both exact where the split needs them.
@@ -358,7 +363,7 @@ struct TilesWidened {
     for (int64_t c = 0; c < steps; ++c) {
       if (prefetch) prefetch_rows(reinterpret_cast<const char*>(wb), K * 2, steps, c);
       const bf16* a = wb + c * kBf16TileK;
-      const uint32_t* b = tiles.xp + c * 16 * (ldb / 4);
+      const uint32_t* b = xp + c * 16 * (ldb / 4);
       if (c % 2 == 0) {
         _tile_loadd(4, a, K * 2);
         _tile_loadd(6, b, ldb);
@@ -377,7 +382,7 @@ struct TilesWidened {
   // is a B tile's shape).
   void part_pass(const Problem& p, const bf16* wb, int64_t g, bool prefetch, float out[kParts][kTileRows * kTileRows]) const {
     const int64_t K = p.K, steps = K / kBf16TileK, W = columns(p.M), ldb = 4 * W, tile = (K / 2) * W;
-    const uint32_t* xb = tiles.xp + g * kParts * tile;
+    const uint32_t* xb = xp + g * kParts * tile;
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -415,7 +420,7 @@ struct TilesWidened {
 
   void whole_block(const Problem& p, int64_t n0) const {
     const int64_t R = group_rows(p.M), T = tiles_per_group(p.M), W = columns(p.M);
-    const bf16* wb = tiles.w + n0 * p.K;
+    const bf16* wb = w + n0 * p.K;
     alignas(64) float out[kParts][kTileRows * kTileRows];
     for (int64_t g = 0; g * R < p.M; ++g) {
       if (T == 1)
