@@ -306,7 +306,10 @@ def run_llmpipe(
             )
             engine = InProcessTarget.from_engine_dir(
                 stage_output(spec.cfg, "engine"),
-                engine_args=EngineArgs(speculation=speculation_args(spec.cfg, mode)),
+                engine_args=EngineArgs(
+                    stream_interval=spec.cfg.serving.stream_interval,
+                    speculation=speculation_args(spec.cfg, mode),
+                ),
                 name=f"{label}-{mode}" if spec.speculation else label,
                 end_id=spec.end_id,
                 min_tokens_equal_max=spec.min_tokens_equal_max,

@@ -129,13 +129,13 @@ def run_built(
     from pipeline.config.build_config import load_build_config
     from pipeline.runtime.engine.engine_args import EngineArgs
 
-    name = load_build_config(config, list(overrides)).name
+    cfg = load_build_config(config, list(overrides))
     limits = build_overrides(points, output_tokens)
-    build = ensure_built(config, [*overrides, f"name={name}-sweep", *limits], until="engine")
+    build = ensure_built(config, [*overrides, f"name={cfg.name}-sweep", *limits], until="engine")
     assert build.engine_dir is not None
     engine = InProcessTarget.from_engine_dir(
         build.engine_dir,
-        engine_args=EngineArgs(enable_block_reuse=False),
+        engine_args=EngineArgs(enable_block_reuse=False, stream_interval=cfg.serving.stream_interval),
         end_id=tokenizer.eos_token_id,
         name=f"llmpipe-{build.precision}",
     )

@@ -300,6 +300,13 @@ class ServingSection(_Strict):
     )
     decoupled: bool = Field(True, description="Decoupled transaction policy (needed for streaming).")
     streaming: bool = Field(True, description="Allow streamed responses (requires decoupled).")
+    stream_interval: int = Field(
+        1,
+        ge=1,
+        description="Engine steps per streamed response (TensorRT-LLM's LLM API name): 1 streams every token as "
+        "it comes; N sends a request's first token at once, then its new tokens every N steps and at its end. "
+        "Fewer, larger responses cost the server less per token, for many streams on few cores.",
+    )
     triton_max_batch_size: int | None = Field(
         None, ge=1, description="Triton-side batch; None = engine max_batch_size."
     )
@@ -650,6 +657,12 @@ def _check_backend_support(cfg: BuildConfig) -> None:
     if cfg.speculative.mode == "draft_model" and not cfg.speculative.draft_config:
         raise ValueError(
             "speculative.mode=draft_model needs speculative.draft_config (the draft engine's build config)"
+        )
+    if cfg.backend == "trtllm" and cfg.serving.stream_interval != 1:
+        raise ValueError(
+            f"serving.stream_interval={cfg.serving.stream_interval}: backend=trtllm serves through "
+            "tensorrtllm_backend's C++ tensorrt_llm model, which sends every step's tokens; use 1, or "
+            "backend=trtllm_pytorch (LLM API stream_interval) or backend=torch"
         )
     tmbs = cfg.serving.triton_max_batch_size
     if tmbs is not None and tmbs > cfg.engine.max_batch_size:

@@ -73,6 +73,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "scheduler": {"policy": "max_utilization", "enable_chunked_context": True},
         "kv_cache": {"max_tokens": 8192, "enable_block_reuse": True},
         "parallel": {"tp_size": 2, "pp_size": 2},
+        "serving": {"stream_interval": 4},
     },
 }
 
@@ -93,6 +94,7 @@ def test_generated_arguments_use_only_recorded_names(sections: dict[str, Any], t
     assert args["scheduler_config"]["capacity_scheduler_policy"] == cfg.scheduler.policy.upper()
     assert args["kv_cache_config"]["dtype"] == cfg.quantization.kv_cache_dtype
     assert args["enable_chunked_prefill"] is cfg.scheduler.enable_chunked_context
+    assert args["stream_interval"] == cfg.serving.stream_interval
 
 
 def test_speculative_modes_map_onto_their_decoding_configs(tmp_path: Path) -> None:

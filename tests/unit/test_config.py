@@ -83,6 +83,14 @@ INVALID = [
         "serving.triton_max_batch_size=64 exceeds engine.max_batch_size=16",
     ),
     ({"serving": {"http_port": 8001}}, "serving ports must differ"),
+    (
+        {"backend": "trtllm", "serving": {"stream_interval": 4}},
+        "serving.stream_interval=4: backend=trtllm serves through tensorrtllm_backend's C++ tensorrt_llm model",
+    ),
+    (
+        {"serving": {"stream_interval": 0}},
+        "serving.stream_interval: Input should be greater than or equal to 1",
+    ),
     ({"engine": {"max_batch_sise": 4}}, "engine.max_batch_sise: unknown field"),
     ({"quantization": {"mode": "int3"}}, "quantization.mode: Input should be"),
     (

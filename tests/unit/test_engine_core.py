@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pipeline.errors import ConfigError
@@ -15,6 +17,7 @@ from pipeline.runtime.core.sampling_params import SamplingParams
 from pipeline.runtime.engine.async_engine import EngineDeadError, EngineThread, QueueFullError, RequestStream
 from pipeline.runtime.engine.engine_args import EngineArgs
 from pipeline.runtime.engine.llm_engine import LLMEngine
+from pipeline.runtime.engine.stream_interval import merged
 from pipeline.runtime.engine_config import engine_config_from_dict, write_engine_config
 from tests.helpers import FakeRunner, make_config, make_engine, make_prompt, reference_output
 
@@ -97,6 +100,71 @@ def test_abort_returns_the_final_output() -> None:
     output = engine.abort("a")
     assert output is not None and output.finish_reason == "abort" and output.num_output_tokens == 1
     assert engine.abort("a") is None and not engine.has_unfinished()
+
+
+def _outputs_by_request(engine: LLMEngine) -> dict[str, list[RequestOutput]]:
+    outputs: dict[str, list[RequestOutput]] = {}
+    while engine.has_unfinished():
+        for output in engine.step():
+            outputs.setdefault(output.request_id, []).append(output)
+    return outputs
+
+
+@pytest.mark.parametrize("interval", [2, 3, 5])
+def test_a_stream_interval_sends_the_same_tokens_in_fewer_outputs(interval: int) -> None:
+    def run(stream_interval: int) -> dict[str, list[RequestOutput]]:
+        engine = LLMEngine(FakeRunner(64, 4), make_config(max_batch_size=3), stream_interval=stream_interval)
+        for i in range(4):
+            engine.add_request(
+                f"r{i}", make_prompt(i, 3 + i), SamplingParams(max_tokens=4 + 3 * i, logprobs=True)
+            )
+        return _outputs_by_request(engine)
+
+    every_step, held = run(1), run(interval)
+    for request_id, outputs in held.items():
+        assert _tokens(outputs) == _tokens(every_step[request_id])
+        assert [lp for o in outputs for lp in o.new_logprobs] == [
+            lp for o in every_step[request_id] for lp in o.new_logprobs
+        ]
+        # The first token goes out alone, as it is sampled; then `interval` steps' tokens per output, and the
+        # final output with whatever is left.
+        assert [len(o.new_token_ids) for o in outputs[:-1]] == [1] + [interval] * (len(outputs) - 2)
+        assert 1 <= len(outputs[-1].new_token_ids) <= interval and outputs[-1].finished
+        assert not any(o.finished for o in outputs[:-1])
+        assert [o.num_output_tokens for o in outputs] == list(
+            itertools.accumulate(len(o.new_token_ids) for o in outputs)
+        )
+
+
+def test_a_stream_interval_keeps_the_first_token_timely_and_abort_brings_the_held_tokens() -> None:
+    engine = LLMEngine(FakeRunner(64, 4), make_config(), stream_interval=4)
+    prompt, params = make_prompt(0, 5), SamplingParams(max_tokens=20)
+    engine.add_request("a", prompt, params)
+    first = engine.step()
+    assert [o.new_token_ids for o in first] == [reference_output(prompt, params)[:1]]
+    assert engine.step() == [] and engine.step() == []
+    output = engine.abort("a")
+    assert output is not None and output.finish_reason == "abort"
+    assert output.new_token_ids == reference_output(prompt, params)[1:3] and output.num_output_tokens == 3
+
+
+def test_merged_outputs_join_generation_logits_and_keep_the_prompt_logits() -> None:
+    rows = np.arange(12, dtype=np.float32).reshape(3, 4)
+    earlier = RequestOutput(
+        "a", [5], [-0.5], False, None, 3, 1, context_logits=["prompt"], new_generation_logits=rows[:1]
+    )
+    later = RequestOutput("a", [6, 7], [-0.25, -1.0], True, "length", 3, 3, new_generation_logits=rows[1:])
+    joined = merged(earlier, later)
+    assert joined.new_token_ids == [5, 6, 7] and joined.new_logprobs == [-0.5, -0.25, -1.0]
+    assert joined.context_logits == ["prompt"] and joined.finished and joined.finish_reason == "length"
+    np.testing.assert_array_equal(joined.new_generation_logits, rows)
+    aborted = RequestOutput("a", [], [], True, "abort", 3, 1)
+    np.testing.assert_array_equal(merged(earlier, aborted).new_generation_logits, rows[:1])
+
+
+def test_a_stream_interval_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="stream_interval=0"):
+        LLMEngine(FakeRunner(64, 4), make_config(), stream_interval=0)
 
 
 # --- EngineThread ---

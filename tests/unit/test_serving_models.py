@@ -204,6 +204,24 @@ def test_counted_histogram_adds_cumulative_buckets_once_per_flush() -> None:
     assert pb.MetricFamily.families["h_seconds_sum"].metrics[0].value() == pytest.approx(7.85)
 
 
+def test_a_stream_interval_sends_the_stream_in_fewer_responses(
+    repos: dict[bool, Path], reference: LLMEngine
+) -> None:
+    prompt = [1, 57, 300, 12, 999, 4]
+    expected = reference.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0))[
+        0
+    ].output_token_ids
+    model = _load(TorchEngineModel, repos[True], "tensorrt_llm", stream_interval="3")
+    try:
+        streamed = _engine_request(prompt, 24, streaming=True)
+        model.execute([streamed])
+        chunks = _wait(streamed.sender)
+    finally:
+        model.finalize()
+    assert _tokens(chunks) == expected
+    assert [r["output_ids"].size for r in chunks] == [1] + [3] * 7 + [2]
+
+
 def test_non_decoupled_model_answers_once_and_refuses_streaming(repos: dict[bool, Path]) -> None:
     model = _load(TorchEngineModel, repos[False], "tensorrt_llm")
     try:
@@ -235,6 +253,7 @@ def test_finalize_answers_unfinished_requests(repos: dict[bool, Path]) -> None:
         ),
         ({"gpt_model_path": "missing"}, "gpt_model_path="),
         ({"max_beam_width": "4"}, "max_beam_width='4' is invalid"),
+        ({"stream_interval": "0"}, "stream_interval=0 is invalid: must be >= 1"),
         ({"kv_cache_free_gpu_mem_fraction": "1.5"}, "kv_cache_free_gpu_mem_fraction=1.5 is invalid"),
     ],
 )

@@ -11,6 +11,7 @@ recorded interface (upstream.py) before it is returned, so a name upstream does 
     quantization -> kv_cache_config.dtype (the weights' format travels in the checkpoint's hf_quant_config.json)
     scheduler    -> scheduler_config.capacity_scheduler_policy, enable_chunked_prefill
     speculative  -> speculative_config (DraftTarget or NGram)
+    serving      -> stream_interval
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ def llm_api_args(cfg: BuildConfig, model_dir: Path | str, *, require_built: bool
         "max_num_tokens": e.max_num_tokens,
         "max_beam_width": e.max_beam_width,
         "enable_chunked_prefill": s.enable_chunked_context,
+        "stream_interval": cfg.serving.stream_interval,
         "scheduler_config": {"capacity_scheduler_policy": CAPACITY_SCHEDULER_POLICY[s.policy]},
         "kv_cache_config": _kv_cache_config(cfg),
         # CUDA graphs for every batch size up to the engine's, none past it (upstream captures up to 128).

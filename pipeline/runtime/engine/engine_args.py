@@ -49,5 +49,7 @@ class EngineArgs:
     policy: SchedulerPolicy | None = None
     enable_chunked_context: bool | None = None
     enable_block_reuse: bool | None = None
+    # Engine steps per streamed output of a request (its first and last go at once): serving.stream_interval
+    stream_interval: int = 1
     runner: RunnerArgs = field(default_factory=RunnerArgs)
     speculation: SpeculationArgs = field(default_factory=SpeculationArgs)

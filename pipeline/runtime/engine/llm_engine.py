@@ -16,6 +16,7 @@ from pipeline.runtime.core.runner import Runner
 from pipeline.runtime.core.sampling_params import SamplingParams
 from pipeline.runtime.core.scheduler import Scheduler, SchedulerConfig
 from pipeline.runtime.engine.engine_args import EngineArgs
+from pipeline.runtime.engine.stream_interval import StreamInterval
 from pipeline.runtime.spec_decode.proposer import Proposer
 
 logger = logging.getLogger(__name__)
@@ -29,12 +30,14 @@ class LLMEngine:
         config: SchedulerConfig,
         proposer: Proposer | None = None,
         vocab_size: int | None = None,
+        stream_interval: int = 1,
     ) -> None:
         self.runner = runner
         self.config = config
         self.proposer = proposer  # speculative decoding: drafts for the running requests before each step
         self.vocab_size = vocab_size  # token ids in sampling params are checked against it when known
         self.scheduler = Scheduler(config, runner.num_kv_blocks, runner.tokens_per_block)
+        self.stream_interval = StreamInterval(stream_interval)
         self._generate_ids = itertools.count()
 
     def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> None:
@@ -53,8 +56,10 @@ class LLMEngine:
         return request
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Cancel a request in any state; its final output (finish_reason "abort"), or None if unknown."""
-        return self.scheduler.abort(request_id)
+        """Cancel a request in any state; its final output (finish_reason "abort", with any tokens the stream
+        interval held back), or None if unknown."""
+        output = self.scheduler.abort(request_id)
+        return None if output is None else self.stream_interval.release([output])[0]
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -63,7 +68,11 @@ class LLMEngine:
         return self.scheduler.stats()
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; the outputs of requests that got tokens or finished."""
+        """Run one engine step; the outputs of requests that got tokens or finished, as far as the stream
+        interval lets them out (a held output's tokens come with the request's next one)."""
+        return self.stream_interval.release(self._step())
+
+    def _step(self) -> list[RequestOutput]:
         if self.proposer is not None:
             self.proposer.propose(self.scheduler.running)
         scheduler_output = self.scheduler.schedule()
@@ -169,7 +178,13 @@ class LLMEngine:
             raise ConfigError(f"{engine_dir}: {err}") from None
         runner = ModelRunner(engine_config, args.runner)
         proposer = make_proposer(engine_config, runner, args.speculation)
-        return cls(runner, config, proposer, vocab_size=engine_config.model.vocab_size)
+        return cls(
+            runner,
+            config,
+            proposer,
+            vocab_size=engine_config.model.vocab_size,
+            stream_interval=args.stream_interval,
+        )
 
 
 def _either(override: T | None, built: T) -> T:

@@ -117,6 +117,7 @@ def torch_parameters(cfg: BuildConfig) -> dict[str, str]:
         "max_pending_requests": str(cfg.engine.max_batch_size + serving.max_queue_size),
         "stats_check_period_ms": "100",
         "request_timeout_s": repr(float(serving.request_timeout_s)),
+        "stream_interval": str(serving.stream_interval),
     }
     if serving.interface == "llmapi":
         # The engine path and the cancellation period are model.yaml keys there (upstream's home for

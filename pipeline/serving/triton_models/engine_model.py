@@ -98,6 +98,7 @@ def engine_settings(
         policy=params.choice(policy, SCHEDULER_POLICIES) if policy in present else None,  # type: ignore[arg-type]
         enable_chunked_context=params.boolean(chunked) if chunked in present else None,
         enable_block_reuse=params.boolean(reuse) if reuse in present else None,
+        stream_interval=params.integer("stream_interval", 1, minimum=1),
         runner=RunnerArgs(
             device=params.choice("device", ("auto", "cpu", "cuda"), "auto"),
             kv_max_tokens=params.optional_integer(name["kv_cache.max_tokens"], minimum=1),
