@@ -205,13 +205,16 @@ def test_counted_histogram_adds_cumulative_buckets_once_per_flush() -> None:
 
 
 def test_a_stream_interval_sends_the_stream_in_fewer_responses(
-    repos: dict[bool, Path], reference: LLMEngine
+    tiny_llama_dir: Path, tiny_engine_dir: Path, tmp_path: Path, reference: LLMEngine
 ) -> None:
     prompt = [1, 57, 300, 12, 999, 4]
     expected = reference.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0))[
         0
     ].output_token_ids
-    model = _load(TorchEngineModel, repos[True], "tensorrt_llm", stream_interval="3")
+    # The build config's serving.stream_interval, through the rendered config.pbtxt, to the engine.
+    cfg = tiny_config(tiny_llama_dir, serving={"stream_interval": 3})
+    render_model_repository(cfg, tiny_engine_dir, tmp_path / "repo")
+    model = _load(TorchEngineModel, tmp_path / "repo", "tensorrt_llm")
     try:
         streamed = _engine_request(prompt, 24, streaming=True)
         model.execute([streamed])
