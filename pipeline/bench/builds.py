@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.config.build_config import BuildConfig, load_build_config
-from pipeline.stages.chain import built_output, run_chain, stages_until
+from pipeline.errors import MissingArtifactError
+from pipeline.stages.chain import STAGES, built_output, run_chain, stages_until
 from pipeline.stages.fetch import checkpoint_dir
 from pipeline.stages.runner import StageInput
 
@@ -61,6 +62,21 @@ def ensure_built(config: str | Path, overrides: Sequence[str] = (), until: str =
 def stage_output(cfg: BuildConfig, stage: str) -> Path:
     """A stage's output folder; MissingArtifactError naming the command to run when it was never built."""
     return built_output(cfg, stage).dir
+
+
+def packaged_repository(cfg: BuildConfig) -> Path:
+    """The model repository packaged from exactly this config. A served run must not measure a repository
+    packaged with other settings (say, a `--set serving.stream_interval=...` given to the benchmark only):
+    MissingArtifactError naming the command that packages it."""
+    package = STAGES["package"]
+    built = built_output(cfg, package.name)
+    if built.manifest.config_hash != cfg.config_hash(*package.config_sections):
+        raise MissingArtifactError(
+            f"the model repository at {built.dir} was packaged from other settings than this config's "
+            f"({', '.join(package.config_sections)} sections, e.g. a --set given here)",
+            hint="package it from the same config first: `llmpipe build CONFIG` with the same --set options",
+        )
+    return built.dir
 
 
 def fetched_checkpoint(cfg: BuildConfig) -> Path:

@@ -286,7 +286,7 @@ def run_llmpipe(
 ) -> list[RunResult]:
     """Measure llmpipe: in-process, at an endpoint, or through a tritonserver started on the config's model
     repository for the duration of the runs."""
-    from pipeline.bench.builds import stage_output
+    from pipeline.bench.builds import packaged_repository, stage_output
     from pipeline.bench.clients.triton import triton_target
 
     extra: dict[str, object] = {"engine": "llmpipe", "path": "inprocess" if spec.in_process else "triton"}
@@ -341,7 +341,7 @@ def run_llmpipe(
     from pipeline.serving.server.command import ServerOptions
     from pipeline.serving.server.launcher import TritonServer
 
-    repo = stage_output(spec.cfg, "package")
+    repo = packaged_repository(spec.cfg)
     print(f"starting tritonserver on {repo} ...", file=sys.stderr)
     with TritonServer(
         ServerOptions(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0)

@@ -145,3 +145,30 @@ def test_rows_are_named_by_the_configs_precision(config: str, precision: str) ->
     from pipeline.config.build_config import load_build_config
 
     assert precision_of(load_build_config(str(REPO_ROOT / "build_configs" / config), [])) == precision
+
+
+def test_a_served_run_refuses_a_repository_packaged_from_other_settings(
+    tiny_llama_dir: Path,
+    capsys: pytest.CaptureFixture[str],
+    in_tmp_workdir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from pipeline.artifacts import MANIFEST_NAME, Manifest
+    from pipeline.bench import builds
+    from pipeline.bench.builds import packaged_repository
+    from pipeline.config.build_config import load_build_config
+    from pipeline.stages.chain import STAGES
+    from pipeline.stages.runner import stage_dir
+
+    cfg = load_build_config(TINY_CONFIG, [])
+    package = STAGES["package"]
+    repo = stage_dir(cfg, package)
+    repo.mkdir(parents=True)
+    manifest = Manifest("package", cfg.config_hash(*package.config_sections), {}, [], {})
+    (repo / MANIFEST_NAME).write_text(manifest.to_json())
+    assert packaged_repository(cfg) == repo
+    monkeypatch.setattr(builds, "fetched_checkpoint", lambda cfg: tiny_llama_dir)
+    code, _out, err = _run([TINY_CONFIG, "--set", "serving.stream_interval=4", "--requests", "1"], capsys)
+    assert code == 1 and "Traceback" not in err
+    assert f"the model repository at {repo} was packaged from other settings" in err
+    assert "`llmpipe build CONFIG` with the same --set options" in err
