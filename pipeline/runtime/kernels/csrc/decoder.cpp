@@ -234,6 +234,13 @@ bool on_tiles(const LinearRef& l, int64_t M, bool pair) {
 }
 #endif
 
+#if defined(__AVX512VNNI__)
+// Whether a W8A8 linear's M rows go to the bytes (Int8Bytes), else to the int16 form.
+bool on_bytes(const LinearRef& l, int64_t M) {
+  return l.int8_activations && M >= (l.byte_bias != nullptr ? kW8A8ByteMinRowsPrecomputed : kW8A8ByteMinRows);
+}
+#endif
+
 // Floats of per-thread scratch the register tiles' path of a linear needs beyond the normed activations.
 int64_t register_tile_scratch(const LinearRef& l, int64_t M) {
   switch (l.kind) {
@@ -244,7 +251,7 @@ int64_t register_tile_scratch(const LinearRef& l, int64_t M) {
       return M * l.K;  // the rounded activations (bf16 or fp32)
     case WeightKind::kInt8:
 #if defined(__AVX512VNNI__)
-      if (l.int8_activations && M >= kW8A8ByteMinRows) return int8_bytes_floats(M, l.K);
+      if (on_bytes(l, M)) return int8_bytes_floats(M, l.K);
 #endif
       return M + (M * l.K + 1) / 2;  // the row scales, then the int16 activations
     default:
@@ -305,8 +312,8 @@ void team_linear(Team& team, const LinearRef& l, const float* x, int64_t M, int6
     case WeightKind::kInt8: {
       // Like int4: each thread quantizes its own copy of the activation rows.
 #if defined(__AVX512VNNI__)
-      if (l.int8_activations && M >= kW8A8ByteMinRows) {
-        go(prepare_int8_bytes(static_cast<const int8_t*>(l.w), l.scales, x, M, l.K, ldx, scratch));
+      if (on_bytes(l, M)) {
+        go(prepare_int8_bytes(static_cast<const int8_t*>(l.w), l.scales, x, M, l.K, ldx, scratch, l.byte_bias));
         break;
       }
 #endif
@@ -410,6 +417,22 @@ void route(const MoEBlock& moe, const float* logits, int64_t M, Routing& r) {
 
 bool walkable(const LinearRef& l) {
   return l.kind != WeightKind::kInt4 || int4_shape_ok(l.group_size, l.K);
+}
+
+bool takes_byte_bias(const LinearRef& l) {
+#if defined(__AVX512VNNI__)
+  return l.kind == WeightKind::kInt8 && l.int8_activations;
+#else
+  return false;
+#endif
+}
+
+void fill_byte_bias(const LinearRef& l, int64_t* out) {
+#if defined(__AVX512VNNI__)
+  int8_byte_bias(static_cast<const int8_t*>(l.w), l.N, l.K, out);
+#else
+  (void)l, (void)out;  // unreachable: takes_byte_bias is false without byte dots
+#endif
 }
 
 void decoder_step(const DecoderStep& s, int num_threads) {

@@ -17,6 +17,7 @@ struct LinearRef {
   const float* bias = nullptr;    // [N] or null
   int64_t N = 0, K = 0, group_size = 0;
   bool int8_activations = false;  // int8: activation rows rounded to int8 levels (W8A8), else to int16
+  const int64_t* byte_bias = nullptr;  // W8A8: 128 x each weight row's sum [N] (Int8Bytes), when precomputed
 };
 
 // The MLP's activation: SwiGLU's silu or GeGLU's tanh-approximated gelu (torch's approximate="tanh").
@@ -65,6 +66,11 @@ struct DecoderStep {
 
 // Whether the kernels can walk the layer (int4: group size 32 or a multiple of 64, even in_features).
 bool walkable(const LinearRef& l);
+
+// Whether a W8A8 linear runs faster with its byte bias (LinearRef::byte_bias) at hand: where the byte dots exist.
+bool takes_byte_bias(const LinearRef& l);
+// Fills out[N] with the byte bias of `l`, a W8A8 linear that takes_byte_bias.
+void fill_byte_bias(const LinearRef& l, int64_t* out);
 
 // Runs one step; the caller has checked every linear with walkable().
 void decoder_step(const DecoderStep& step, int num_threads);

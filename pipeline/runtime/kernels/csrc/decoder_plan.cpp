@@ -123,7 +123,15 @@ struct DecoderPlan : torch::CustomClassHolder {
                 "DecoderPlan: ", moe_linears.size(), " MoE linear tensors and ", moe_group_sizes.size(),
                 " group sizes, the entries take ", 4 * moe_next, " and ", moe_next);
     if (int8_activations) {
-      const auto mark = [](llmp::LinearRef& l) { l.int8_activations = l.kind == llmp::WeightKind::kInt8; };
+      // The byte dots' row sums are summed once here, not in every step.
+      const auto mark = [this](llmp::LinearRef& l) {
+        l.int8_activations = l.kind == llmp::WeightKind::kInt8;
+        if (!llmp::takes_byte_bias(l)) return;
+        at::Tensor bias = at::empty({l.N}, at::kLong);
+        llmp::fill_byte_bias(l, bias.data_ptr<int64_t>());
+        keep_.push_back(bias);
+        l.byte_bias = bias.data_ptr<int64_t>();
+      };
       for (llmp::DecoderStep& s : steps_)
         for (llmp::LinearRef* l : {&s.dense, &s.gate_up, &s.down, &s.next_qkv}) mark(*l);
       for (const auto& store : moes_) {

@@ -870,8 +870,21 @@ constexpr int64_t kByteSpan = 1 << 16;
 // Fewest rows a W8A8 step takes to the bytes; fewer stay on the int16 form, the same integers. Measured on a
 // Sapphire Rapids class Xeon without its tiles (LLMPIPE_KERNEL_ISA=avx512_bf16, scripts/bench_kernels.py ab,
 // SmolLM2-135M int8_sq decoder layers, int16 form / bytes time): 1 row 0.89-0.94x (the row sums cost as much
-// as the dot), 4 rows 1.01x, 8 rows 1.13x, 16 rows 1.24x.
+// as the dot), 4 rows 1.01x, 8 rows 1.13x, 16 rows 1.24x. A DecoderPlan sums its layers' rows once
+// (LinearRef::byte_bias), and then the bytes win from 1 row: all decoder layers, same machine, before / after,
+// 1 row 4.91 / 4.65 ms, 2 rows 6.03 / 4.96, 4 rows 6.70 / 5.42, 8 rows 8.42 / 6.71; with its tiles (from 2 rows
+// there), 1 row 4.97 / 4.21.
 constexpr int64_t kW8A8ByteMinRows = 8;
+constexpr int64_t kW8A8ByteMinRowsPrecomputed = 1;
+
+// 128 x the sum of each of the N weight rows of K bytes: what Int8Bytes subtracts from every dot.
+inline void int8_byte_bias(const int8_t* w, int64_t N, int64_t K, int64_t* out) {
+  for (int64_t n = 0; n < N; ++n) {
+    int64_t sum = 0;
+    for (int64_t k = 0; k < K; ++k) sum += w[n * K + k];
+    out[n] = 128 * sum;
+  }
+}
 
 struct ByteLanes {
   __m512i v;
@@ -884,7 +897,8 @@ inline void vdot(const ByteLanes& w, const ByteLanes& x, WideInt& acc) {
 }
 
 // int8 weights with W8A8 activations: `xb` this thread's copy of the levels + 128 ([M, K]), `xs` their scales,
-// `bias_sums` this thread's [kMaxBlockRows]: 128 x each weight row's sum for the current block.
+// `bias_sums` this thread's [kMaxBlockRows]: 128 x each weight row's sum for the current block, copied from
+// `byte_bias` (int8_byte_bias of every row) when that is given, else summed here.
 struct Int8Bytes {
   static constexpr int kMaxBlockRows = 16;
   const int8_t* w;
@@ -892,10 +906,15 @@ struct Int8Bytes {
   const uint8_t* xb;
   const float* xs;
   int64_t* bias_sums;
+  const int64_t* byte_bias;
 
   template <int NB>
   void prepare(const Problem& p, int64_t n0) const {
     static_assert(NB <= kMaxBlockRows);
+    if (byte_bias != nullptr) {
+      for (int r = 0; r < NB; ++r) bias_sums[r] = byte_bias[n0 + r];
+      return;
+    }
     const ByteLanes ones{_mm512_set1_epi8(1)};
     for (int r = 0; r < NB; ++r) {
       const int8_t* row = w + (n0 + r) * p.K;
@@ -929,9 +948,9 @@ inline int64_t int8_bytes_floats(int64_t M, int64_t K) {
 }
 
 // Rounds the rows x [M, K] (row stride ldx) to W8A8 levels (quantize_rows_int16 at kW8A8QMax) into `scratch`
-// and biases them to bytes.
+// and biases them to bytes; `byte_bias` as Int8Bytes's (or null).
 inline Int8Bytes prepare_int8_bytes(const int8_t* w, const float* scales, const float* x, int64_t M, int64_t K,
-                                    int64_t ldx, float* scratch) {
+                                    int64_t ldx, float* scratch, const int64_t* byte_bias = nullptr) {
   auto* sums = reinterpret_cast<int64_t*>((reinterpret_cast<uintptr_t>(scratch) + 7) & ~uintptr_t{7});
   float* xs = reinterpret_cast<float*>(sums + Int8Bytes::kMaxBlockRows);
   auto* xq = reinterpret_cast<int16_t*>(xs + M);
@@ -943,7 +962,7 @@ inline Int8Bytes prepare_int8_bytes(const int8_t* w, const float* scales, const 
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(xb + i),
                         _mm512_cvtepi16_epi8(_mm512_add_epi16(_mm512_loadu_si512(xq + i), bias)));
   for (; i < M * K; ++i) xb[i] = static_cast<uint8_t>(xq[i] + 128);
-  return Int8Bytes{w, scales, xb, xs, sums};
+  return Int8Bytes{w, scales, xb, xs, sums, byte_bias};
 }
 #endif
 
