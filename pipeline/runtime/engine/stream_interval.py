@@ -24,7 +24,7 @@ def merged(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
         new_token_ids=earlier.new_token_ids + later.new_token_ids,
         new_logprobs=earlier.new_logprobs + later.new_logprobs,
         context_logits=earlier.context_logits if earlier.context_logits is not None else later.context_logits,
-        new_generation_logits=np.concatenate(logits) if len(logits) == 2 else next(iter(logits), None),
+        new_generation_logits=np.concatenate(logits) if len(logits) == 2 else (logits[0] if logits else None),
     )
 
 

@@ -150,12 +150,13 @@ class KernelAttention:
         if self.qk_norm is not None:
             return None
         c = self.config
+        k, v, k_scales, v_scales, cos_sin = (list(column) for column in zip(*self._layer_args, strict=True))
         return (
-            [k for k, _, _, _, _ in self._layer_args],
-            [v for _, v, _, _, _ in self._layer_args],
-            [k_scales for _, _, k_scales, _, _ in self._layer_args],
-            [v_scales for _, _, _, v_scales, _ in self._layer_args],
-            [cos_sin for *_, cos_sin in self._layer_args],
+            k,
+            v,
+            k_scales,
+            v_scales,
+            cos_sin,
             [params.window or 0 for params in self.layers],
             c.num_attention_heads,
             self.kv_cache.block_size,

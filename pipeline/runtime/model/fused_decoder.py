@@ -195,21 +195,20 @@ class FusedDecoder:
         the attention kernel the whole step is one call: a call per layer cost its overhead and, in the Python
         between two calls, the OpenMP workers fell asleep and had to be woken (16 streams, SmolLM2-135M int8:
         ~2 ms of a 15 ms step)."""
-        if isinstance(attention, KernelAttention):
-            if self._bound is not attention:
-                binding = attention.plan_binding()
-                if binding is not None:
-                    self._plan.bind_attention(*binding)
-                    self._bound = attention
-            if self._bound is attention:
-                return self._plan.forward(
-                    hidden,
-                    meta.positions,
-                    meta.slot_mapping,
-                    meta.block_tables,
-                    meta.token_seq,
-                    meta.max_context_len,
-                )
+        if self._bound is not attention and isinstance(attention, KernelAttention):
+            binding = attention.plan_binding()
+            if binding is not None:
+                self._plan.bind_attention(*binding)
+                self._bound = attention
+        if self._bound is attention:
+            return self._plan.forward(
+                hidden,
+                meta.positions,
+                meta.slot_mapping,
+                meta.block_tables,
+                meta.token_seq,
+                meta.max_context_len,
+            )
         run = self._plan.run
         qkv = run(0, hidden, None)
         for i in range(self._num_layers):

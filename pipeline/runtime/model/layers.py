@@ -25,7 +25,8 @@ class Linear(Protocol):
 class DenseLinear:
     """y = x @ W.T (+ b). A bf16 weight multiplies x rounded to bf16, unless `widened`: then it holds fp32
     values exactly (a bf16 checkpoint's) and the product is the fp32 one of the fp32 copy it widens to (up to
-    summation order on AMX tiles: kernels.gemm_f32), at half the bytes read (the lm_head of a bf16 checkpoint: the logits and the greedy head stay fp32)."""
+    summation order on AMX tiles: kernels.gemm_f32), at half the bytes read (the lm_head of a bf16 checkpoint:
+    the logits and the greedy head stay fp32)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, widened: bool = False) -> None:
         self.weight = weight  # [out, in]

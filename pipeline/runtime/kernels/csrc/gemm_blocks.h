@@ -877,15 +877,6 @@ constexpr int64_t kByteSpan = 1 << 16;
 constexpr int64_t kW8A8ByteMinRows = 8;
 constexpr int64_t kW8A8ByteMinRowsPrecomputed = 1;
 
-// 128 x the sum of each of the N weight rows of K bytes: what Int8Bytes subtracts from every dot.
-inline void int8_byte_bias(const int8_t* w, int64_t N, int64_t K, int64_t* out) {
-  for (int64_t n = 0; n < N; ++n) {
-    int64_t sum = 0;
-    for (int64_t k = 0; k < K; ++k) sum += w[n * K + k];
-    out[n] = 128 * sum;
-  }
-}
-
 struct ByteLanes {
   __m512i v;
 };
@@ -894,6 +885,26 @@ inline void vload(ByteLanes& a, const int8_t* p) { a.v = _mm512_loadu_si512(p); 
 // acc += per int32 lane, 4 products of x's unsigned and w's signed bytes (asm: see dot_pairs).
 inline void vdot(const ByteLanes& w, const ByteLanes& x, WideInt& acc) {
   asm("vpdpbusd %2, %1, %0" : "+v"(acc.v) : "v"(x.v), "v"(w.v));
+}
+
+// 128 x the sum of a weight row of K bytes: what Int8Bytes subtracts from each of its dots.
+inline int64_t int8_row_byte_bias(const int8_t* row, int64_t K) {
+  const ByteLanes ones{_mm512_set1_epi8(1)};
+  WideInt acc{_mm512_setzero_si512()};
+  int64_t k = 0;
+  for (; k + kByteStep <= K; k += kByteStep) {  // a lane gains at most 4 x 127 a step: no overflow below 2^28 k
+    ByteLanes wv;
+    vload(wv, row + k);
+    vdot(wv, ones, acc);
+  }
+  int64_t sum = _mm512_reduce_add_epi32(acc.v);
+  for (; k < K; ++k) sum += row[k];
+  return 128 * sum;
+}
+
+// int8_row_byte_bias of each of the N rows of w [N, K].
+inline void int8_byte_bias(const int8_t* w, int64_t N, int64_t K, int64_t* out) {
+  for (int64_t n = 0; n < N; ++n) out[n] = int8_row_byte_bias(w + n * K, K);
 }
 
 // int8 weights with W8A8 activations: `xb` this thread's copy of the levels + 128 ([M, K]), `xs` their scales,
@@ -911,24 +922,8 @@ struct Int8Bytes {
   template <int NB>
   void prepare(const Problem& p, int64_t n0) const {
     static_assert(NB <= kMaxBlockRows);
-    if (byte_bias != nullptr) {
-      for (int r = 0; r < NB; ++r) bias_sums[r] = byte_bias[n0 + r];
-      return;
-    }
-    const ByteLanes ones{_mm512_set1_epi8(1)};
-    for (int r = 0; r < NB; ++r) {
-      const int8_t* row = w + (n0 + r) * p.K;
-      WideInt acc{_mm512_setzero_si512()};
-      int64_t k = 0;
-      for (; k + kByteStep <= p.K; k += kByteStep) {  // a lane gains at most 4 x 127 a step: no overflow below 2^28 k
-        ByteLanes wv;
-        vload(wv, row + k);
-        vdot(wv, ones, acc);
-      }
-      int64_t sum = _mm512_reduce_add_epi32(acc.v);
-      for (; k < p.K; ++k) sum += row[k];
-      bias_sums[r] = 128 * sum;
-    }
+    for (int r = 0; r < NB; ++r)
+      bias_sums[r] = byte_bias != nullptr ? byte_bias[n0 + r] : int8_row_byte_bias(w + (n0 + r) * p.K, p.K);
   }
   template <typename V, int NB, int MB>
   void block(const Problem& p, int64_t n0, int64_t m0, float out[NB][MB]) const {

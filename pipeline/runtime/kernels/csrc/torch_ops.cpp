@@ -150,7 +150,6 @@ at::Tensor greedy_argmax(const at::Tensor& x_in, const at::Tensor& qweight, cons
   return out;
 }
 
-
 // hidden [T, H] += delta (when given), then a new RMSNorm(hidden) * weight (rms_norm.h).
 at::Tensor add_rms_norm(const at::Tensor& hidden, const std::optional<at::Tensor>& delta, const at::Tensor& weight,
                         double eps) {
