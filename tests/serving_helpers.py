@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -12,6 +13,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from pipeline.config.build_config import BuildConfig
 
@@ -162,3 +165,69 @@ def soak_script() -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+class EngineStream:
+    """One gRPC stream to an engine model: token ids in, every response's token ids collected."""
+
+    def __init__(self, server: TritonServer, model: str = "tensorrt_llm") -> None:
+        import tritonclient.grpc as grpcclient
+
+        self._grpc = grpcclient
+        self.model = model
+        self.client = grpcclient.InferenceServerClient(server.grpc_url)
+        self.tokens: list[int] = []
+        self.sizes: list[
+            int
+        ] = []  # how many token ids each response carried (empty final responses left out)
+        self.errors: list[str] = []
+        self.finished = threading.Event()
+        self.client.start_stream(callback=self._on_response)
+
+    def _on_response(self, result: Any = None, error: Any = None) -> None:
+        if error is not None:
+            self.errors.append(error.message() if hasattr(error, "message") else str(error))
+            self.finished.set()
+            return
+        ids = result.as_numpy("output_ids")
+        if ids is not None and ids.size:
+            self.tokens += ids.reshape(-1).tolist()
+            self.sizes.append(int(ids.size))
+        final = result.get_response().parameters.get("triton_final_response")
+        if final is None or final.bool_param:
+            self.finished.set()
+
+    def send(self, request_id: str, **arrays: np.ndarray) -> None:
+        inputs = []
+        for name, array in arrays.items():
+            tensor = self._grpc.InferInput(
+                name, list(array.shape), "BOOL" if array.dtype == bool else "INT32"
+            )
+            tensor.set_data_from_numpy(array)
+            inputs.append(tensor)
+        self.client.async_stream_infer(
+            self.model, inputs, request_id=request_id, enable_empty_final_response=True
+        )
+
+    def generate(self, request_id: str, prompt_ids: list[int], max_tokens: int) -> None:
+        self.send(
+            request_id,
+            input_ids=np.array([prompt_ids], np.int32),
+            input_lengths=np.array([[len(prompt_ids)]], np.int32),
+            request_output_len=np.array([[max_tokens]], np.int32),
+            streaming=np.array([[True]]),
+        )
+
+    def stop(self, request_id: str) -> None:
+        """tensorrtllm_backend's stop request: dummy prompt tensors (required inputs) and stop=true."""
+        self.send(
+            request_id,
+            input_ids=np.zeros((1, 1), np.int32),
+            input_lengths=np.ones((1, 1), np.int32),
+            request_output_len=np.ones((1, 1), np.int32),
+            stop=np.array([[True]]),
+        )
+
+    def close(self) -> None:
+        self.client.stop_stream(cancel_requests=not self.finished.is_set())
+        self.client.close()

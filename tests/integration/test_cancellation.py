@@ -29,19 +29,17 @@ from __future__ import annotations
 import json
 import shutil
 import socket
-import threading
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 from pipeline.serving.client import GenerationOptions, GrpcClient, HttpClient
 from pipeline.serving.server.launcher import TritonServer
-from tests.serving_helpers import MULTIBYTE_PROMPT, metric, scrape_metrics, serve_tiny
+from tests.serving_helpers import MULTIBYTE_PROMPT, EngineStream, metric, scrape_metrics, serve_tiny
 
 pytestmark = pytest.mark.triton
 LONG = 1000  # max_tokens far past every cancellation below (max_seq_len is 1024)
@@ -79,68 +77,6 @@ def server(
     serving = {"ensemble": "bls"}  # the ensemble that passes cancellation on
     with serve_tiny(tiny_llama_dir, tiny_engine_dir, repo, prepare=_add_timed_model, serving=serving) as srv:
         yield srv
-
-
-class EngineStream:
-    """One gRPC stream to an engine model: token ids in, every response's token ids collected."""
-
-    def __init__(self, server: TritonServer, model: str = "tensorrt_llm") -> None:
-        import tritonclient.grpc as grpcclient
-
-        self._grpc = grpcclient
-        self.model = model
-        self.client = grpcclient.InferenceServerClient(server.grpc_url)
-        self.tokens: list[int] = []
-        self.errors: list[str] = []
-        self.finished = threading.Event()
-        self.client.start_stream(callback=self._on_response)
-
-    def _on_response(self, result: Any = None, error: Any = None) -> None:
-        if error is not None:
-            self.errors.append(error.message() if hasattr(error, "message") else str(error))
-            self.finished.set()
-            return
-        ids = result.as_numpy("output_ids")
-        if ids is not None:
-            self.tokens += ids.reshape(-1).tolist()
-        final = result.get_response().parameters.get("triton_final_response")
-        if final is None or final.bool_param:
-            self.finished.set()
-
-    def send(self, request_id: str, **arrays: np.ndarray) -> None:
-        inputs = []
-        for name, array in arrays.items():
-            tensor = self._grpc.InferInput(
-                name, list(array.shape), "BOOL" if array.dtype == bool else "INT32"
-            )
-            tensor.set_data_from_numpy(array)
-            inputs.append(tensor)
-        self.client.async_stream_infer(
-            self.model, inputs, request_id=request_id, enable_empty_final_response=True
-        )
-
-    def generate(self, request_id: str, max_tokens: int = LONG) -> None:
-        self.send(
-            request_id,
-            input_ids=np.array([PROMPT_IDS], np.int32),
-            input_lengths=np.array([[len(PROMPT_IDS)]], np.int32),
-            request_output_len=np.array([[max_tokens]], np.int32),
-            streaming=np.array([[True]]),
-        )
-
-    def stop(self, request_id: str) -> None:
-        """tensorrtllm_backend's stop request: dummy prompt tensors (required inputs) and stop=true."""
-        self.send(
-            request_id,
-            input_ids=np.zeros((1, 1), np.int32),
-            input_lengths=np.ones((1, 1), np.int32),
-            request_output_len=np.ones((1, 1), np.int32),
-            stop=np.array([[True]]),
-        )
-
-    def close(self) -> None:
-        self.client.stop_stream(cancel_requests=not self.finished.is_set())
-        self.client.close()
 
 
 def _wait_for(predicate: Any, timeout_s: float = 20.0) -> bool:
@@ -190,7 +126,7 @@ def test_stop_input_cancels_the_in_flight_request_with_that_id(server: TritonSer
     victim, stopper = EngineStream(server), EngineStream(server)
     request_id = f"victim-{uuid.uuid4().hex[:8]}"
     try:
-        victim.generate(request_id)
+        victim.generate(request_id, PROMPT_IDS, LONG)
         assert _wait_for(lambda: len(victim.tokens) >= 2 and _busy(server))
         stopper.stop(request_id)
         assert stopper.finished.wait(10) and stopper.errors == []
@@ -223,7 +159,7 @@ def test_server_side_timeout_aborts_the_request_and_says_so(server: TritonServer
     stream = EngineStream(server, TIMED_MODEL)
     started = time.monotonic()
     try:
-        stream.generate(f"slow-{uuid.uuid4().hex[:8]}")
+        stream.generate(f"slow-{uuid.uuid4().hex[:8]}", PROMPT_IDS, LONG)
         assert _wait_for(lambda: _busy(server, TIMED_MODEL))
         busy_for = time.monotonic() - started + _seconds_until_idle(server, TIMED_MODEL)
         assert stream.finished.wait(30)

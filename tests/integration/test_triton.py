@@ -2,7 +2,8 @@
 and gRPC, streaming and unary, ensemble and BLS, all equal to the in-process engine's greedy output; 16
 concurrent streams; cancellation freeing KV blocks; engine metrics on :8002; a clean shutdown.
 
-Two servers per run: one decoupled (streaming) deployment and one non-decoupled (unary) one."""
+Two servers per run: one decoupled (streaming) deployment, which sends a response every STREAM_INTERVAL
+engine steps (serving.stream_interval), and one non-decoupled (unary) one."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from pipeline.errors import ServingError
@@ -27,11 +27,12 @@ from pipeline.serving.client import GenerationOptions, GrpcClient, HttpClient
 from pipeline.serving.server.command import ServerOptions
 from pipeline.serving.server.launcher import TritonServer
 from pipeline.serving.triton_models.tokenization import PromptEncoder
-from tests.serving_helpers import MULTIBYTE_PROMPT, metric, scrape_metrics, serve_tiny
+from tests.serving_helpers import MULTIBYTE_PROMPT, EngineStream, metric, scrape_metrics, serve_tiny
 
 pytestmark = pytest.mark.triton
 PROMPTS = ("The quick brown fox", MULTIBYTE_PROMPT)
 MAX_TOKENS = 24
+STREAM_INTERVAL = 3
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,9 @@ def expected(tiny_engine_dir: Path) -> dict[tuple[str, int], str]:
 
 # Not the shared tiny_server: test_servers_shut_down_cleanly stops both.
 def _server(hf_dir: Path, engine_dir: Path, root: Path, decoupled: bool) -> Iterator[TritonServer]:
-    with serve_tiny(hf_dir, engine_dir, root / "model_repo", decoupled=decoupled) as server:
+    # The streaming deployment sends a response every STREAM_INTERVAL steps, as the shipped configs do (8).
+    serving = {"stream_interval": STREAM_INTERVAL} if decoupled else {}
+    with serve_tiny(hf_dir, engine_dir, root / "model_repo", decoupled=decoupled, serving=serving) as server:
         yield server
 
 
@@ -95,6 +98,25 @@ def test_grpc_stream_equals_whole_text_equals_engine(
     assert len(streamed.chunks) > 1 and len(whole.chunks) == 1
 
 
+def test_a_stream_sends_the_first_token_at_once_then_every_stream_interval_steps(
+    streaming: TritonServer, tiny_engine_dir: Path
+) -> None:
+    prompt = [1, 57, 300, 12, 999, 4]
+    engine = LLMEngine.from_engine_dir(tiny_engine_dir)
+    want = engine.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))[
+        0
+    ].output_token_ids
+    stream = EngineStream(streaming)
+    try:
+        stream.generate("interval", prompt, MAX_TOKENS)
+        assert stream.finished.wait(60) and not stream.errors, stream.errors
+    finally:
+        stream.close()
+    assert stream.tokens == want
+    # 24 tokens at an interval of 3: the first alone, then 3 a response, the last 2 with the final one.
+    assert stream.sizes == [1] + [STREAM_INTERVAL] * 7 + [2]
+
+
 def test_16_concurrent_grpc_streams_are_all_correct(streaming: TritonServer, expected: dict) -> None:
     prompts = [(f"Request {i}: " + "word " * i, 40) for i in range(16)]
 
@@ -116,30 +138,6 @@ def _wait_for(predicate, timeout: float = 20.0) -> bool:  # type: ignore[no-unty
     return False
 
 
-def _engine_stream_cancelled_after_two(server: TritonServer) -> None:
-    """A raw tensorrt_llm stream (token ids in, token ids out) that the client abandons."""
-    import tritonclient.grpc as grpcclient
-
-    client = grpcclient.InferenceServerClient(server.grpc_url)
-    received: list[object] = []
-    client.start_stream(callback=lambda result=None, error=None: received.append(result or error))
-    tensors = {
-        "input_ids": np.array([[1, 57, 300]], np.int32),
-        "input_lengths": np.array([[3]], np.int32),
-        "request_output_len": np.array([[900]], np.int32),
-        "streaming": np.array([[True]]),
-    }
-    inputs = []
-    for name, array in tensors.items():
-        tensor = grpcclient.InferInput(name, list(array.shape), "BOOL" if array.dtype == bool else "INT32")
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
-    client.async_stream_infer("tensorrt_llm", inputs)
-    assert _wait_for(lambda: len(received) >= 2)
-    client.stop_stream(cancel_requests=True)
-    client.close()
-
-
 def test_cancelled_streams_free_their_kv_blocks(streaming: TritonServer) -> None:
     before = metric(
         scrape_metrics(streaming.metrics_url), "llmpipe_requests_finished_total", finish_reason="abort"
@@ -151,7 +149,11 @@ def test_cancelled_streams_free_their_kv_blocks(streaming: TritonServer) -> None
             )
         )
     assert len(chunks) == 2
-    _engine_stream_cancelled_after_two(streaming)
+    # A raw tensorrt_llm stream (token ids in, token ids out) that the client abandons.
+    abandoned = EngineStream(streaming)
+    abandoned.generate("abandoned", [1, 57, 300], 900)
+    assert _wait_for(lambda: len(abandoned.sizes) >= 2)
+    abandoned.close()
 
     def settled() -> bool:
         values = scrape_metrics(streaming.metrics_url)
