@@ -131,6 +131,22 @@ def test_int8_kernel_matches_dequantize_matmul(
         )
 
 
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 17])
+@pytest.mark.parametrize(("out_f", "in_f"), [(37, 131), (130, 576)])
+def test_w8a8_with_its_byte_bias_kept_gives_the_bits_of_summing_it_per_call(
+    rows: int, out_f: int, in_f: int
+) -> None:
+    qweight, scales = primitives.quantize_int8_per_channel(random_weight(out_f, in_f))
+    byte_bias = kernels.int8_byte_bias(qweight)
+    assert torch.equal(byte_bias, 128 * qweight.sum(dim=1, dtype=torch.int64))
+    x, bias = torch.randn(rows, in_f) * 3, torch.randn(out_f)
+    want = kernels.gemm_int8(x, qweight, scales, bias, True)
+    assert torch.equal(kernels.gemm_int8(x, qweight, scales, bias, True, byte_bias), want)
+    layer = QuantLinear("w8a8", {"qweight": qweight, "scales": scales, "bias": bias})
+    assert torch.equal(layer(x), want) and torch.equal(layer(x), want)  # the second call reuses the sums
+
+
 @pytest.mark.parametrize(
     ("round_rows", "qmax"),
     [
@@ -374,6 +390,8 @@ def test_kernels_reject_mismatched_arguments() -> None:
         kernels.gemm_int8(torch.randn(2, 63), qweight, scales)
     with pytest.raises(RuntimeError, match="non-contiguous"):
         kernels.gemm_int8(x, qweight.t().contiguous().t(), scales)
+    with pytest.raises(RuntimeError, match="byte_bias: expected"):
+        kernels.gemm_int8(x, qweight, scales, None, True, kernels.int8_byte_bias(qweight)[:-1])
     packed, scales4, zeros = primitives.quantize_int4_groupwise(random_weight(16, 64), 32)
     with pytest.raises(RuntimeError, match="group_size must be 32 or a multiple of 64"):
         kernels.gemm_int4(x, packed, scales4, zeros, 48)  # ceil(64 / 48) == 2 groups, like group 32

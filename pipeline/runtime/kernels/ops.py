@@ -24,6 +24,7 @@ from pipeline.runtime.kernels.build import BF16_CPU_FLAG, cpu_flags, load_librar
 _OP_NAMES = (
     "gemm_f32",
     "gemm_int8",
+    "int8_byte_bias",
     "gemm_int4",
     "dequant_int8",
     "dequant_int4",
@@ -82,10 +83,17 @@ def gemm_int8(
     scales: torch.Tensor,
     bias: torch.Tensor | None = None,
     int8_activations: bool = False,
+    byte_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ (qweight int8 [N, K] * scales [N, 1]).T (+ bias) -> [M, N], x's rows rounded to int16 levels,
-    or to int8 ones with `int8_activations` (W8A8)."""
-    return _op("gemm_int8")(x, qweight, scales, bias, int8_activations)
+    or to int8 ones with `int8_activations` (W8A8). W8A8 callers that keep `byte_bias` (int8_byte_bias of
+    qweight) spare the kernel summing the weight rows on every call; the result is the same."""
+    return _op("gemm_int8")(x, qweight, scales, bias, int8_activations, byte_bias)
+
+
+def int8_byte_bias(qweight: torch.Tensor) -> torch.Tensor:
+    """128 x the sum of each row of qweight int8 [N, K], int64 [N]: gemm_int8's byte_bias."""
+    return _op("int8_byte_bias")(qweight)
 
 
 def gemm_int4(

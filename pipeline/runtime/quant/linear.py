@@ -83,6 +83,9 @@ class QuantLinear(torch.nn.Module):
         for name in ("qweight", "scales", "zeros", "bias"):
             tensor = tensors.get(name)
             self.register_buffer(name, None if tensor is None else tensor.contiguous())
+        # W8A8 kernels subtract 128 x each weight row's sum from their byte dots: summed at the first kernel
+        # call, not at every one (which also lets one-row steps take the byte dots).
+        self._byte_bias: torch.Tensor | None = None
 
     @property
     def weight_bytes(self) -> int:
@@ -143,7 +146,11 @@ class QuantLinear(torch.nn.Module):
             return self.forward(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
         if x.shape[0] <= self.max_kernel_rows and _kernel_ok(x):
             if self.scheme in INT8_WEIGHT_SCHEMES:
-                return kernels.gemm_int8(x, self.qweight, self.scales, self.bias, self.int8_activations)
+                if self.int8_activations and self._byte_bias is None:
+                    self._byte_bias = kernels.int8_byte_bias(self.qweight)
+                return kernels.gemm_int8(
+                    x, self.qweight, self.scales, self.bias, self.int8_activations, self._byte_bias
+                )
             assert self.zeros is not None and self.group_size is not None
             return kernels.gemm_int4(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias)
         bias, weight = self.bias, self.dequantize()

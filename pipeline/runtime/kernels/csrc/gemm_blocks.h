@@ -871,7 +871,8 @@ constexpr int64_t kByteSpan = 1 << 16;
 // Sapphire Rapids class Xeon without its tiles (LLMPIPE_KERNEL_ISA=avx512_bf16, scripts/bench_kernels.py ab,
 // SmolLM2-135M int8_sq decoder layers, int16 form / bytes time): 1 row 0.89-0.94x (the row sums cost as much
 // as the dot), 4 rows 1.01x, 8 rows 1.13x, 16 rows 1.24x. A DecoderPlan sums its layers' rows once
-// (LinearRef::byte_bias), and then the bytes win from 1 row: all decoder layers, same machine, before / after,
+// (LinearRef::byte_bias; a W8A8 linear layer keeps its own for the per-layer kernels), and then the bytes win
+// from 1 row: all decoder layers, same machine, before / after,
 // 1 row 4.91 / 4.65 ms, 2 rows 6.03 / 4.96, 4 rows 6.70 / 5.42, 8 rows 8.42 / 6.71; with its tiles (from 2 rows
 // there), 1 row 4.97 / 4.21.
 constexpr int64_t kW8A8ByteMinRows = 8;
@@ -902,10 +903,6 @@ inline int64_t int8_row_byte_bias(const int8_t* row, int64_t K) {
   return 128 * sum;
 }
 
-// int8_row_byte_bias of each of the N rows of w [N, K].
-inline void int8_byte_bias(const int8_t* w, int64_t N, int64_t K, int64_t* out) {
-  for (int64_t n = 0; n < N; ++n) out[n] = int8_row_byte_bias(w + n * K, K);
-}
 
 // int8 weights with W8A8 activations: `xb` this thread's copy of the levels + 128 ([M, K]), `xs` their scales,
 // `bias_sums` this thread's [kMaxBlockRows]: 128 x each weight row's sum for the current block, copied from
@@ -960,6 +957,21 @@ inline Int8Bytes prepare_int8_bytes(const int8_t* w, const float* scales, const 
   return Int8Bytes{w, scales, xb, xs, sums, byte_bias};
 }
 #endif
+
+// 128 x the sum of each of the N rows of w [N, K]: the byte bias Int8Bytes subtracts from each dot, summed once
+// per weight by the callers that keep it (a DecoderPlan, a W8A8 linear layer). Builds without the byte dots
+// never read it, and sum plainly.
+inline void int8_byte_bias(const int8_t* w, int64_t N, int64_t K, int64_t* out) {
+  for (int64_t n = 0; n < N; ++n) {
+#if defined(__AVX512VNNI__)
+    out[n] = int8_row_byte_bias(w + n * K, K);
+#else
+    int64_t sum = 0;
+    for (int64_t k = 0; k < K; ++k) sum += w[n * K + k];
+    out[n] = 128 * sum;
+#endif
+  }
+}
 
 // bf16 weights; `xr` is this thread's copy of the activation rows rounded by round_rows_bf16 ([M, K]).
 struct DenseBF16 {

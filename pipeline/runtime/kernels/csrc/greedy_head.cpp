@@ -11,8 +11,8 @@
 #include "gemm_blocks.h"
 
 extern "C" int llmp_gemm_int8(const float* x, int64_t M, int64_t K, int64_t ldx, const int8_t* w,
-                              const float* scales, const float* bias, float* y, int64_t N, bool int8_activations,
-                              int num_threads);
+                              const float* scales, const int64_t* byte_bias, const float* bias, float* y, int64_t N,
+                              bool int8_activations, int num_threads);
 
 namespace llmp {
 namespace {
@@ -30,7 +30,8 @@ int greedy_argmax_int8(const float* x, int64_t R, int64_t K, const int8_t* qweig
                        const void* weight, bool widened_bf16, int64_t V, const float* error_per_l1,
                        const float* error_per_level, int num_threads, int64_t* out) {
   const std::unique_ptr<float[]> approx(new float[R * V]);
-  if (llmp_gemm_int8(x, R, K, K, qweight, scales, nullptr, approx.get(), V, false, num_threads) != 0) return -1;
+  if (llmp_gemm_int8(x, R, K, K, qweight, scales, nullptr, nullptr, approx.get(), V, false, num_threads) != 0)
+    return -1;
 
   // Rows are independent: with several (batched decode) their scans and exact logits split across the team
   // instead of running on one thread while the others wait (16 rows of SmolLM2: ~1 ms a step on one thread).

@@ -92,7 +92,8 @@ void llmp_gemm_f32(const float* x, int64_t M, int64_t K, int64_t ldx, const void
 
 // Returns 0; -1 when the activation scratch cannot be allocated.
 int llmp_gemm_int8(const float* x, int64_t M, int64_t K, int64_t ldx, const int8_t* w, const float* scales,
-                   const float* bias, float* y, int64_t N, bool int8_activations, int num_threads) {
+                   const int64_t* byte_bias, const float* bias, float* y, int64_t N, bool int8_activations,
+                   int num_threads) {
   const Problem p{x, M, K, ldx, N, bias, y, N, false};
 #if defined(LLMP_TILES)
   if (M >= kInt8GemmTileMinRows && tiles_fit(N, K, kInt8TileK, false) && tiles_on()) {
@@ -104,10 +105,10 @@ int llmp_gemm_int8(const float* x, int64_t M, int64_t K, int64_t ldx, const int8
   }
 #endif
 #if defined(__AVX512VNNI__)
-  if (int8_activations && M >= kW8A8ByteMinRows) {
+  if (int8_activations && M >= (byte_bias != nullptr ? kW8A8ByteMinRowsPrecomputed : kW8A8ByteMinRows)) {
     float* byte_scratch = static_cast<float*>(malloc(sizeof(float) * int8_bytes_floats(M, K)));
     if (!byte_scratch) return -1;
-    run_bytes(prepare_int8_bytes(w, scales, x, M, K, ldx, byte_scratch), p, num_threads);
+    run_bytes(prepare_int8_bytes(w, scales, x, M, K, ldx, byte_scratch, byte_bias), p, num_threads);
     free(byte_scratch);
     return 0;
   }

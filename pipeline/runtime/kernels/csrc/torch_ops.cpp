@@ -24,7 +24,8 @@ extern "C" {
 void llmp_gemm_f32(const float* x, int64_t M, int64_t K, int64_t ldx, const void* w, bool widened_bf16,
                    const float* bias, float* y, int64_t N, int num_threads);
 int llmp_gemm_int8(const float* x, int64_t M, int64_t K, int64_t ldx, const int8_t* w, const float* scales,
-                   const float* bias, float* y, int64_t N, bool int8_activations, int num_threads);
+                   const int64_t* byte_bias, const float* bias, float* y, int64_t N, bool int8_activations,
+                   int num_threads);
 int llmp_gemm_int4(const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* w, const float* scales,
                    const float* zeros, int64_t group_size, const float* bias, float* y, int64_t N,
                    int num_threads);
@@ -72,19 +73,31 @@ at::Tensor gemm_f32(const at::Tensor& x_in, const at::Tensor& weight, const std:
 }
 
 at::Tensor gemm_int8(const at::Tensor& x_in, const at::Tensor& qweight, const at::Tensor& scales,
-                     const std::optional<at::Tensor>& bias, bool int8_activations) {
+                     const std::optional<at::Tensor>& bias, bool int8_activations,
+                     const std::optional<at::Tensor>& byte_bias) {
   TORCH_CHECK(qweight.dim() == 2, "qweight: expected [N, K]");
   const int64_t N = qweight.size(0), K = qweight.size(1);
   expect(qweight, at::kChar, {N, K}, "qweight");
   expect(scales, at::kFloat, {N}, "scales");
+  if (byte_bias) expect(*byte_bias, at::kLong, {N}, "byte_bias");
   const at::Tensor x = activations(x_in, K);
   at::Tensor y = at::empty({x.size(0), N}, x.options());
   const int rc = llmp_gemm_int8(x.const_data_ptr<float>(), x.size(0), K, x.stride(0),
                                 qweight.const_data_ptr<int8_t>(), scales.const_data_ptr<float>(),
-                                bias_ptr(bias, N), y.mutable_data_ptr<float>(), N, int8_activations,
-                                at::get_num_threads());
+                                byte_bias ? byte_bias->const_data_ptr<int64_t>() : nullptr, bias_ptr(bias, N),
+                                y.mutable_data_ptr<float>(), N, int8_activations, at::get_num_threads());
   TORCH_CHECK(rc == 0, "int8 kernel: out of memory for its activation scratch");
   return y;
+}
+
+// 128 x each row's sum of qweight [N, K] int8: what gemm_int8 takes as byte_bias, computed once per weight.
+at::Tensor int8_byte_bias(const at::Tensor& qweight) {
+  TORCH_CHECK(qweight.dim() == 2, "qweight: expected [N, K]");
+  const int64_t N = qweight.size(0), K = qweight.size(1);
+  expect(qweight, at::kChar, {N, K}, "qweight");
+  at::Tensor out = at::empty({N}, qweight.options().dtype(at::kLong));
+  llmp::int8_byte_bias(qweight.const_data_ptr<int8_t>(), N, K, out.mutable_data_ptr<int64_t>());
+  return out;
 }
 
 at::Tensor gemm_int4(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scales,
@@ -272,7 +285,10 @@ at::Tensor paged_attention_op(const at::Tensor& qkv, const at::Tensor& k_cache, 
 
 TORCH_LIBRARY(llmpipe_quant, m) {
   m.def("gemm_f32(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
-  m.def("gemm_int8(Tensor x, Tensor qweight, Tensor scales, Tensor? bias, bool int8_activations=False) -> Tensor");
+  m.def(
+      "gemm_int8(Tensor x, Tensor qweight, Tensor scales, Tensor? bias, bool int8_activations=False, "
+      "Tensor? byte_bias=None) -> Tensor");
+  m.def("int8_byte_bias(Tensor qweight) -> Tensor");
   m.def("gemm_int4(Tensor x, Tensor packed, Tensor scales, Tensor zeros, int group_size, Tensor? bias) -> Tensor");
   m.def("dequant_int8(Tensor qweight, Tensor scales) -> Tensor");
   m.def("dequant_int4(Tensor packed, Tensor scales, Tensor zeros, int group_size) -> Tensor");
@@ -291,6 +307,7 @@ TORCH_LIBRARY(llmpipe_quant, m) {
 TORCH_LIBRARY_IMPL(llmpipe_quant, CPU, m) {
   m.impl("gemm_f32", gemm_f32);
   m.impl("gemm_int8", gemm_int8);
+  m.impl("int8_byte_bias", int8_byte_bias);
   m.impl("gemm_int4", gemm_int4);
   m.impl("dequant_int8", dequant_int8);
   m.impl("dequant_int4", dequant_int4);
