@@ -410,6 +410,8 @@ def test_kernels_read_strided_activation_rows() -> None:
 def test_prefill_chunks_take_the_kernels_where_they_are_built_wide(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(build, "cpu_flags", lambda: frozenset({"avx2", "fma", *build.AVX512_CPU_FLAGS}))
     monkeypatch.delenv(build.ISA_ENV, raising=False)
+    monkeypatch.setattr(linear_module, "kernels_available", lambda: True)
+    monkeypatch.setattr(linear_module, "torch_outruns_fp32_kernel", lambda: False)
     build.has_wide_vectors.cache_clear()  # read once per process; this test changes the machine under it
     try:
         assert [max_kernel_rows(k) for k in ("fp32", "bf16", "int8", "w8a8", "int4")] == [
@@ -419,7 +421,19 @@ def test_prefill_chunks_take_the_kernels_where_they_are_built_wide(monkeypatch: 
             2048,
             2048,
         ]
-        monkeypatch.setenv(build.ISA_ENV, "avx2")
+        # Where torch's fp32 GEMM outruns the kernel, fp32 steps of many rows go to torch; only fp32 ones.
+        monkeypatch.setattr(linear_module, "torch_outruns_fp32_kernel", lambda: True)
+        assert [max_kernel_rows(k) for k in ("fp32", "bf16", "int8", "w8a8", "int4")] == [
+            linear_module.FP32_ROWS_WHERE_TORCH_IS_FASTER,
+            32,
+            2048,
+            2048,
+            2048,
+        ]
+        x, w = torch.randn(linear_module.FP32_ROWS_WHERE_TORCH_IS_FASTER + 1, 64), torch.randn(8, 64)
+        monkeypatch.setattr(kernels, "gemm_f32", lambda *args: pytest.fail("many rows took the kernel"))
+        assert torch.equal(fp32_linear(x, w), F.linear(x, w))
+        monkeypatch.setenv(build.ISA_ENV, "avx2")  # AVX2 builds decide by their own limits, without the probe
         build.has_wide_vectors.cache_clear()
         assert [max_kernel_rows(k) for k in ("fp32", "bf16", "int8", "w8a8", "int4")] == [
             32,

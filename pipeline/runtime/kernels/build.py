@@ -169,6 +169,19 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+@functools.cache
+def cpu_model() -> str:
+    """The CPU's model name as /proc/cpuinfo gives it ("unknown" where it cannot be read)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return "unknown"
+    for line in text.splitlines():
+        if line.startswith("model name"):
+            return line.partition(":")[2].strip() or "unknown"
+    return "unknown"
+
+
 def kernel_isa() -> str:
     """The kernels' instruction set: amx where this CPU has AVX-512 F/BW/VL/DQ, AVX512_BF16, AVX512_VNNI and AMX
     (tiles, bf16 and int8), avx512_bf16 without AMX, avx512 with the first four, else avx2. LLMPIPE_KERNEL_ISA

@@ -5,7 +5,8 @@ the fused CPU kernel up to `max_kernel_rows` activation rows (decode; on AVX-512
 dequantize + torch matmul (many rows on AVX2 builds, CUDA, and wherever the kernels are unavailable). Both paths
 compute with the same fp32 weights and the same rounded activations (int8: int16 levels per row; w8a8: int8 levels
 per row, the same weights; int4: int16 levels, or bf16-rounded weights and activations in steps of many rows,
-`primitives.int4_operands`), so they agree to float rounding.
+`primitives.int4_operands`), so they agree to float rounding. `fp32_linear` picks the same way between the fp32
+kernel and torch's GEMM, whose many-row steps outrun the kernel's on some CPUs (`gemm_probe`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 
 from pipeline.runtime.kernels import ops as kernels
 from pipeline.runtime.kernels.build import has_wide_vectors
+from pipeline.runtime.kernels.gemm_probe import torch_outruns_fp32_kernel
 from pipeline.runtime.kernels.ops import kernels_available, kernels_unavailable_reason
 from pipeline.runtime.quant import primitives
 
@@ -45,12 +47,22 @@ _AVX2_MAX_KERNEL_ROWS: dict[str, int] = {"fp32": 32, "bf16": 32, "int8": 128, "w
 # fp32, int8 and int4 kernels ran 1.1-3.7x the rate of torch's fp32 matmul (after dequantizing) at every row
 # count from 64 to 2048, so prefill chunks take them too. bf16 keeps oneDNN's bf16 GEMM for many rows.
 _AVX512_MAX_KERNEL_ROWS: dict[str, int] = {"fp32": 2048, "bf16": 32, "int8": 2048, "w8a8": 2048, "int4": 2048}
+# Where torch's fp32 GEMM outruns the kernel on prefill-sized steps (gemm_probe), steps of more rows than this go
+# to torch. On a Sapphire Rapids Xeon (2 threads, SmolLM2's shapes) torch took 0.85-0.87x the kernel's time at 64
+# rows and 0.63-0.72x at 128; one step of more than 64 rows also leaves the fused decoder for a call per layer,
+# which costs ~10 ms more. A 256-token prompt of the fp32 SmolLM2-135M prefilled in 447-462 ms on the kernel,
+# 290-299 ms this way; 512 tokens in 1218-1224 ms, 602-638 ms.
+FP32_ROWS_WHERE_TORCH_IS_FASTER = 64
 
 
 def max_kernel_rows(kind: str) -> int:
     """Most activation rows a linear with `kind` weights ("fp32", "bf16", "int8", "w8a8", "int4") sends to the kernels
     built for this CPU."""
-    return (_AVX512_MAX_KERNEL_ROWS if has_wide_vectors() else _AVX2_MAX_KERNEL_ROWS)[kind]
+    if not has_wide_vectors():
+        return _AVX2_MAX_KERNEL_ROWS[kind]
+    if kind == "fp32" and kernels_available() and torch_outruns_fp32_kernel():
+        return FP32_ROWS_WHERE_TORCH_IS_FASTER
+    return _AVX512_MAX_KERNEL_ROWS[kind]
 
 
 class QuantLinear(torch.nn.Module):
