@@ -424,13 +424,13 @@ def test_prefill_chunks_take_the_kernels_where_they_are_built_wide(monkeypatch: 
         # Where torch's fp32 GEMM outruns the kernel, fp32 steps of many rows go to torch; only fp32 ones.
         monkeypatch.setattr(linear_module, "torch_outruns_fp32_kernel", lambda: True)
         assert [max_kernel_rows(k) for k in ("fp32", "bf16", "int8", "w8a8", "int4")] == [
-            linear_module.FP32_ROWS_WHERE_TORCH_IS_FASTER,
+            linear_module.FP32_MAX_KERNEL_ROWS_WHERE_TORCH_WINS,
             32,
             2048,
             2048,
             2048,
         ]
-        x, w = torch.randn(linear_module.FP32_ROWS_WHERE_TORCH_IS_FASTER + 1, 64), torch.randn(8, 64)
+        x, w = torch.randn(linear_module.FP32_MAX_KERNEL_ROWS_WHERE_TORCH_WINS + 1, 64), torch.randn(8, 64)
         monkeypatch.setattr(kernels, "gemm_f32", lambda *args: pytest.fail("many rows took the kernel"))
         assert torch.equal(fp32_linear(x, w), F.linear(x, w))
         monkeypatch.setenv(build.ISA_ENV, "avx2")  # AVX2 builds decide by their own limits, without the probe

@@ -52,7 +52,7 @@ _AVX512_MAX_KERNEL_ROWS: dict[str, int] = {"fp32": 2048, "bf16": 32, "int8": 204
 # rows and 0.63-0.72x at 128; one step of more than 64 rows also leaves the fused decoder for a call per layer,
 # which costs ~10 ms more. A 256-token prompt of the fp32 SmolLM2-135M prefilled in 447-462 ms on the kernel,
 # 290-299 ms this way; 512 tokens in 1218-1224 ms, 602-638 ms.
-FP32_ROWS_WHERE_TORCH_IS_FASTER = 64
+FP32_MAX_KERNEL_ROWS_WHERE_TORCH_WINS = 64
 
 
 def max_kernel_rows(kind: str) -> int:
@@ -61,7 +61,7 @@ def max_kernel_rows(kind: str) -> int:
     if not has_wide_vectors():
         return _AVX2_MAX_KERNEL_ROWS[kind]
     if kind == "fp32" and kernels_available() and torch_outruns_fp32_kernel():
-        return FP32_ROWS_WHERE_TORCH_IS_FASTER
+        return FP32_MAX_KERNEL_ROWS_WHERE_TORCH_WINS
     return _AVX512_MAX_KERNEL_ROWS[kind]
 
 
