@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.errors import ConfigError
 from pipeline.runtime.kernels import build, gemm_probe
 from pipeline.runtime.kernels import ops as kernels
 
@@ -20,6 +21,7 @@ needs_kernels = pytest.mark.skipif(
 @pytest.fixture
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     monkeypatch.setenv(build.CACHE_ENV, str(tmp_path))
+    monkeypatch.delenv(gemm_probe.CHOICE_ENV, raising=False)
     gemm_probe.torch_outruns_fp32_kernel.cache_clear()
     yield build.cache_dir()
     gemm_probe.torch_outruns_fp32_kernel.cache_clear()
@@ -66,3 +68,21 @@ def test_machines_keep_separate_answers(monkeypatch: pytest.MonkeyPatch) -> None
     first = gemm_probe.record_path()
     monkeypatch.setattr(gemm_probe, "cpu_model", lambda: "AMD EPYC 9R45 (Zen 5)")
     assert gemm_probe.record_path() != first and "AMD_EPYC" in gemm_probe.record_path().name
+
+
+@pytest.mark.parametrize(("choice", "on_torch"), [("kernel", False), ("torch", True), (" Torch ", True)])
+def test_the_user_can_choose_without_a_probe(
+    cache: Path, monkeypatch: pytest.MonkeyPatch, choice: str, on_torch: bool
+) -> None:
+    monkeypatch.setenv(gemm_probe.CHOICE_ENV, choice)
+    monkeypatch.setattr(gemm_probe, "_fastest_of_both", lambda: pytest.fail("measured"))
+    assert gemm_probe.torch_outruns_fp32_kernel() is on_torch
+    assert not gemm_probe.record_path().exists()
+
+
+def test_a_bad_choice_is_a_config_error_naming_the_variable(
+    cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(gemm_probe.CHOICE_ENV, "onednn")
+    with pytest.raises(ConfigError, match="LLMPIPE_FP32_GEMM='onednn' is invalid"):
+        gemm_probe.torch_outruns_fp32_kernel()

@@ -5,6 +5,9 @@ while on a Sapphire Rapids Xeon torch ran 256-512 rows at 1.5-2.6x the kernel's 
 for the caches; the kernel streams every weight block past all the rows). The first process on a machine times
 both on one prefill-sized product and writes the answer beside the kernels it built. Later processes read it, so
 every process on the machine (a served engine and its in-process reference, say) prefills the same way.
+
+LLMPIPE_FP32_GEMM=kernel keeps every fp32 step on the kernel (a sequence's logits then stay the same bits whatever
+shares its step), =torch sends the many-row ones to torch without measuring; unset or `auto`, the probe decides.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from pipeline.errors import ConfigError
 from pipeline.runtime.kernels import ops as kernels
 from pipeline.runtime.kernels.build import cache_dir, cpu_model, kernel_isa
 
@@ -29,6 +33,8 @@ PROBE_ROUNDS = 7
 # torch takes the many-row steps only when it is clearly faster: near a tie, a noisy probe must not flip how
 # one machine prefills from one process to the next.
 MARGIN = 1.25
+CHOICE_ENV = "LLMPIPE_FP32_GEMM"
+CHOICES = ("auto", "kernel", "torch")
 
 
 def record_path() -> Path:
@@ -40,8 +46,16 @@ def record_path() -> Path:
 
 @functools.cache
 def torch_outruns_fp32_kernel() -> bool:
-    """True where torch's fp32 GEMM ran PROBE_ROWS rows more than MARGIN times faster than the kernel. Call it
-    only where the kernels are available."""
+    """True where torch's fp32 GEMM ran PROBE_ROWS rows more than MARGIN times faster than the kernel, or where
+    LLMPIPE_FP32_GEMM=torch says so. Call it only where the kernels are available."""
+    choice = os.environ.get(CHOICE_ENV, "").strip().lower() or "auto"
+    if choice not in CHOICES:
+        raise ConfigError(
+            f"{CHOICE_ENV}={choice!r} is invalid",
+            hint="kernel (every fp32 step on the kernel), torch (steps of many rows on torch's GEMM) or auto",
+        )
+    if choice != "auto":
+        return choice == "torch"
     path = record_path()
     try:
         return bool(json.loads(path.read_text())["torch_outruns_kernel"])
