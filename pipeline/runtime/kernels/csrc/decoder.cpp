@@ -234,13 +234,6 @@ bool on_tiles(const LinearRef& l, int64_t M, bool pair) {
 }
 #endif
 
-#if defined(__AVX512VNNI__)
-// Whether a W8A8 linear's M rows go to the bytes (Int8Bytes), else to the int16 form.
-bool on_bytes(const LinearRef& l, int64_t M) {
-  return l.int8_activations && M >= (l.byte_bias != nullptr ? kW8A8ByteMinRowsPrecomputed : kW8A8ByteMinRows);
-}
-#endif
-
 // Floats of per-thread scratch the register tiles' path of a linear needs beyond the normed activations.
 int64_t register_tile_scratch(const LinearRef& l, int64_t M) {
   switch (l.kind) {
@@ -251,7 +244,7 @@ int64_t register_tile_scratch(const LinearRef& l, int64_t M) {
       return M * l.K;  // the rounded activations (bf16 or fp32)
     case WeightKind::kInt8:
 #if defined(__AVX512VNNI__)
-      if (on_bytes(l, M)) return int8_bytes_floats(M, l.K);
+      if (l.int8_activations && w8a8_on_bytes(M, l.byte_bias)) return int8_bytes_floats(M, l.K);
 #endif
       return M + (M * l.K + 1) / 2;  // the row scales, then the int16 activations
     default:
@@ -312,7 +305,7 @@ void team_linear(Team& team, const LinearRef& l, const float* x, int64_t M, int6
     case WeightKind::kInt8: {
       // Like int4: each thread quantizes its own copy of the activation rows.
 #if defined(__AVX512VNNI__)
-      if (on_bytes(l, M)) {
+      if (l.int8_activations && w8a8_on_bytes(M, l.byte_bias)) {
         go(prepare_int8_bytes(static_cast<const int8_t*>(l.w), l.scales, x, M, l.K, ldx, scratch, l.byte_bias));
         break;
       }

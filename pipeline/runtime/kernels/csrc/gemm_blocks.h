@@ -878,6 +878,11 @@ constexpr int64_t kByteSpan = 1 << 16;
 constexpr int64_t kW8A8ByteMinRows = 8;
 constexpr int64_t kW8A8ByteMinRowsPrecomputed = 1;
 
+// Whether a W8A8 product of M rows runs on the bytes (Int8Bytes), given its weights' byte bias or null.
+inline bool w8a8_on_bytes(int64_t M, const int64_t* byte_bias) {
+  return M >= (byte_bias != nullptr ? kW8A8ByteMinRowsPrecomputed : kW8A8ByteMinRows);
+}
+
 struct ByteLanes {
   __m512i v;
 };
@@ -902,7 +907,6 @@ inline int64_t int8_row_byte_bias(const int8_t* row, int64_t K) {
   for (; k < K; ++k) sum += row[k];
   return 128 * sum;
 }
-
 
 // int8 weights with W8A8 activations: `xb` this thread's copy of the levels + 128 ([M, K]), `xs` their scales,
 // `bias_sums` this thread's [kMaxBlockRows]: 128 x each weight row's sum for the current block, copied from

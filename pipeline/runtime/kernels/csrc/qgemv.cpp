@@ -105,7 +105,7 @@ int llmp_gemm_int8(const float* x, int64_t M, int64_t K, int64_t ldx, const int8
   }
 #endif
 #if defined(__AVX512VNNI__)
-  if (int8_activations && M >= (byte_bias != nullptr ? kW8A8ByteMinRowsPrecomputed : kW8A8ByteMinRows)) {
+  if (int8_activations && w8a8_on_bytes(M, byte_bias)) {
     float* byte_scratch = static_cast<float*>(malloc(sizeof(float) * int8_bytes_floats(M, K)));
     if (!byte_scratch) return -1;
     run_bytes(prepare_int8_bytes(w, scales, x, M, K, ldx, byte_scratch, byte_bias), p, num_threads);
