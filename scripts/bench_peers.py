@@ -11,8 +11,8 @@ Workloads (greedy, outputs forced to their length):
   - scaling sweep (pipeline/bench/sweep.py, --no-sweep skips it): llmpipe fp32 in-process, with a plot.
 
 Systems: llmpipe per precision (--precisions; in-process, and through Triton when its model repository
-builds and serves; the served rows are compared with in-process rows that ask for each token's log-prob, as
-the served ensemble's requests do to count their tokens), HF transformers (one at a time, padded static
+builds and serves: the ensemble's streamed text, its tokens counted as genai-perf counts them, beside the
+same requests in-process), HF transformers (one at a time, padded static
 batch), llama.cpp f32/bf16/Q8_0/Q4_1 (llama-cpp-python; continuous batching through its low-level batch
 API), CTranslate2 float32/int8 and OpenVINO GenAI fp32/bf16/int8/int4 (its ContinuousBatchingPipeline, on
 its own venv: `make bench-deps`).
@@ -47,7 +47,7 @@ from benchmarks.harness import targets  # noqa: E402
 from pipeline.bench import machine, report, suite, sweep  # noqa: E402
 from pipeline.bench.builds import Build, ensure_built  # noqa: E402
 from pipeline.bench.clients.inprocess import InProcessTarget  # noqa: E402
-from pipeline.bench.comparisons import LOG_PROBS_WORKLOAD, measurements  # noqa: E402
+from pipeline.bench.comparisons import measurements  # noqa: E402
 from pipeline.bench.isolation import run_jobs  # noqa: E402
 from pipeline.bench.load import RunResult, Target, run_closed_loop  # noqa: E402
 from pipeline.bench.metrics import percentile, ttft  # noqa: E402
@@ -142,32 +142,15 @@ def _measure_ours(
     precision: str,
     wl: dict[str, list[BenchRequest]],
     progress: bool,
-    workload: str | None = None,
 ) -> list[RunResult]:
     """Warm-up, then one request at a time, then 16 at once: every llmpipe target alike, so each finds the
     same prompts in its KV block cache."""
     extra = {"engine": "llmpipe", "precision": precision, "path": path}
-    if workload:
-        extra["workload"] = workload
     run_closed_loop(target, wl["warmup"], len(wl["warmup"]))
     return [
         _closed(target, wl["single"], 1, extra, progress),
         _closed(target, wl["batch"], BATCH, extra, progress),
     ]
-
-
-def _log_probs_runs(
-    engine_dir: Path, eos_id: int | None, precision: str, wl: dict[str, list[BenchRequest]], progress: bool
-) -> list[RunResult]:
-    """In-process with each token's log-prob asked for, as the served ensemble's requests do: the served
-    rows' equal. A fresh engine, so its block cache holds what the served engine's does."""
-    engine = InProcessTarget.from_engine_dir(
-        engine_dir, end_id=eos_id, name=f"llmpipe-{precision}-{LOG_PROBS_WORKLOAD}", log_probs=True
-    )
-    try:
-        return _measure_ours(engine, "inprocess", precision, wl, progress, LOG_PROBS_WORKLOAD)
-    finally:
-        engine.close()
 
 
 def _ttft_runs(
@@ -223,11 +206,12 @@ def run_ours(
     args: argparse.Namespace,
     precisions: list[str],
     wl: dict[str, list[BenchRequest]],
-    eos_id: int | None,
+    tokenizer: Any,
     problems: list[str],
     weights: dict[str, int],
 ) -> tuple[list[RunResult], dict[str, float]]:
     """Each precision in-process (and served); `weights` gets each engine's bytes read per decode step."""
+    eos_id = tokenizer.eos_token_id
     results: list[RunResult] = []
     keys: dict[str, float] = {}
     for precision in precisions:
@@ -249,11 +233,7 @@ def run_ours(
         finally:
             engine.close()
         if not args.no_serve:
-            try:
-                results += _log_probs_runs(build.engine_dir, eos_id, precision, wl, not args.no_progress)
-            except Exception as err:  # noqa: BLE001 - keep the other rows
-                _problem(problems, f"llmpipe {precision} in-process with log-probs", err)
-            results += _served(args, precision, wl, problems)
+            results += _served(args, precision, wl, problems, tokenizer)
     return results, keys
 
 
@@ -262,14 +242,19 @@ def _served(
     precision: str,
     wl: dict[str, list[BenchRequest]],
     problems: list[str],
+    tokenizer: Any,
 ) -> list[RunResult]:
-    from pipeline.bench.clients.triton import triton_target
+    from pipeline.bench.clients.triton import EnsembleCounting, triton_target
 
     results: list[RunResult] = []
     try:
         build = ensure_built(BUILDS[precision], until="package")
         with _serve(build) as server:
-            client = triton_target(f"grpc://{server.grpc_url}", name=f"llmpipe-{precision}-triton")
+            client = triton_target(
+                f"grpc://{server.grpc_url}",
+                name=f"llmpipe-{precision}-triton",
+                counting=EnsembleCounting(tokenizer=tokenizer),
+            )
             try:
                 results += _measure_ours(client, "triton", precision, wl, not args.no_progress)
             finally:
@@ -397,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     problems: list[str] = []
     weights: dict[str, int] = {}
     started = time.monotonic()
-    results, keys = run_ours(args, precisions, wl, tokenizer.eos_token_id, problems, weights)
+    results, keys = run_ours(args, precisions, wl, tokenizer, problems, weights)
     results += run_peers(args, wl, base.hf_dir, gguf_file(base.cfg), problems)
     swept, left_out = ([], []) if args.no_sweep else run_sweep(args, tokenizer)
     run_dir = args.out / f"{time.strftime('%Y-%m-%d')}-{report.machine_tag()}"

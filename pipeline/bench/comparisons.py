@@ -28,9 +28,6 @@ PEERS_BY_PRECISION: dict[str, tuple[str, ...]] = {
     "w8a8": INT8_PEERS,
     "int4": ("llamacpp.q4_1", "openvino.int4"),
 }
-# The workload tag of in-process runs that ask for each token's log-prob as the served ensemble's requests
-# do (they count a response's tokens by them): served throughput is compared with those.
-LOG_PROBS_WORKLOAD = "logprobs"
 # each peer's batched run with 16 requests in flight (HF: a padded static batch of 16)
 PEER_BATCHED = tuple(
     dict.fromkeys(f"{peer}.c16_tok_s" for peers in PEERS_BY_PRECISION.values() for peer in peers)
@@ -89,9 +86,9 @@ def precision_comparisons(precision: str) -> tuple[Comparison, ...]:
         ),
         Comparison(
             f"{precision}_served_vs_inprocess_c16",
-            f"16 concurrent through Triton vs in-process ({precision}), both returning each token's log-prob",
+            f"16 concurrent through Triton vs in-process ({precision})",
             (f"{ours}.triton.c16_tok_s",),
-            (f"{ours}.inprocess.{LOG_PROBS_WORKLOAD}.c16_tok_s",),
+            (f"{ours}.inprocess.c16_tok_s",),
         ),
         Comparison(
             f"{precision}_single_vs_bandwidth_limit",

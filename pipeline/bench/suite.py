@@ -12,7 +12,6 @@ from typing import Any
 
 from pipeline.bench import report
 from pipeline.bench.comparisons import (
-    LOG_PROBS_WORKLOAD,
     PEER_COMPARISONS,
     SPECULATION_COMPARISONS,
     compare,
@@ -24,6 +23,8 @@ from pipeline.bench.requests import BenchRequest
 from pipeline.errors import ConfigError
 from pipeline.runtime.engine.engine_args import SPECULATIVE_MODES, EngineArgs, SpeculationArgs
 
+# The workload tag of llmpipe runs that ask for each token's log-prob (`--log-probs`): they do more work.
+LOG_PROBS_WORKLOAD = "logprobs"
 # --compare names -> (peer family, precisions)
 PEER_FAMILIES: dict[str, tuple[str, ...]] = {
     "hf": ("fp32",),
@@ -241,7 +242,9 @@ class OursSpec:
     # config's speculative settings; empty = the config's own mode only
     speculation: tuple[str, ...] = ()
     workload: str | None = None  # the workload's name, for the measurement keys of a speculation sweep
-    log_probs: bool = False  # in-process: ask for each token's log-prob, as the ensemble's requests do
+    # ask for each token's log-prob (in-process, or from the ensemble, whose tokens are then counted by them)
+    log_probs: bool = False
+    tokenizer: Any | None = None  # re-tokenizes the ensemble's streamed text to count its tokens
 
 
 def speculation_args(cfg: Any, mode: str) -> SpeculationArgs:
@@ -287,18 +290,19 @@ def run_llmpipe(
     """Measure llmpipe: in-process, at an endpoint, or through a tritonserver started on the config's model
     repository for the duration of the runs."""
     from pipeline.bench.builds import packaged_repository, stage_output
-    from pipeline.bench.clients.triton import triton_target
+    from pipeline.bench.clients.triton import EnsembleCounting, triton_target
 
     extra: dict[str, object] = {"engine": "llmpipe", "path": "inprocess" if spec.in_process else "triton"}
     if spec.precision:
         extra["precision"] = spec.precision
     label = f"llmpipe-{spec.precision or 'engine'}"
+    if spec.log_probs:
+        extra["workload"] = LOG_PROBS_WORKLOAD
+        label += f"-{LOG_PROBS_WORKLOAD}"
+    counting = EnsembleCounting(spec.log_probs, spec.tokenizer)
     if spec.in_process:
         from pipeline.bench.clients.inprocess import InProcessTarget
 
-        if spec.log_probs:
-            extra["workload"] = LOG_PROBS_WORKLOAD
-            label += f"-{LOG_PROBS_WORKLOAD}"
         results = []
         for mode in spec.speculation or (spec.cfg.speculative.mode,):
             run_extra = (
@@ -332,7 +336,7 @@ def run_llmpipe(
             api.close()
     if spec.endpoint is not None:
         client = triton_target(
-            spec.endpoint, spec.model_name, spec.min_tokens_equal_max, name=f"{label}-triton"
+            spec.endpoint, spec.model_name, spec.min_tokens_equal_max, f"{label}-triton", counting
         )
         try:
             return run_target(client, requests, warmup, plan, extra)
@@ -347,7 +351,7 @@ def run_llmpipe(
         ServerOptions(model_repository=repo, http_port=0, grpc_port=0, metrics_port=0)
     ) as server:
         url = f"http://{server.http_url}" if spec.protocol == "http" else f"grpc://{server.grpc_url}"
-        client = triton_target(url, spec.model_name, spec.min_tokens_equal_max, name=f"{label}-triton")
+        client = triton_target(url, spec.model_name, spec.min_tokens_equal_max, f"{label}-triton", counting)
         try:
             return run_target(client, requests, warmup, plan, extra)
         finally:

@@ -25,16 +25,17 @@ _OPENAI_URL = re.compile(r"/v1/?$")
 @click.option(
     "--in-process",
     is_flag=True,
-    help="Drive the CONFIG's engine directly (no server): isolates serving overhead (add --log-probs to "
-    "compare with the default --model ensemble, whose requests ask for them).",
+    help="Drive the CONFIG's engine directly (no server): the same requests without the serving path, so "
+    "a served run of the same workload beside it shows the serving overhead.",
 )
 @click.option(
     "--log-probs",
     is_flag=True,
-    help="With --in-process: ask for each token's log-probability, as requests to the ensemble do (its "
-    "streamed text responses are counted by them). A log-probability needs the whole vocabulary's logits, "
-    "a greedy token alone does not: without this flag an in-process run does less work per token than "
-    "a served one.",
+    help="Ask for each token's log-probability, in-process or from the ensemble (whose streamed responses "
+    "are then counted exactly by them). A log-probability needs the whole vocabulary's logits, a greedy "
+    "token alone does not, so the engine does more work per token. Without it the ensemble's text is "
+    "counted as genai-perf counts it: one token per response with text, and the whole text re-tokenized "
+    "at the end adds any it did not show.",
 )
 @click.option(
     "--protocol",
@@ -239,9 +240,10 @@ def bench(
         raise click.UsageError("--protocol openai measures a running server: drop --in-process")
     if protocol == "openai" and model_name != "ensemble":
         raise click.UsageError("the OpenAI API takes text: --model tensorrt_llm does not apply to it")
-    if log_probs and not in_process:
+    if log_probs and (protocol == "openai" or model_name != "ensemble") and not in_process:
         raise click.UsageError(
-            "--log-probs is for --in-process runs (served ensemble requests always ask for log-probs)"
+            "--log-probs applies to --in-process runs and to the Triton ensemble (the OpenAI front-end "
+            "returns no log-probs; the tensorrt_llm model's token ids count themselves)"
         )
     modes = tuple(m.strip() for m in (speculation or "").split(",") if m.strip())
     if log_probs and modes:
@@ -285,6 +287,7 @@ def bench(
         speculation=modes,
         workload=_workload_name(dataset),
         log_probs=log_probs,
+        tokenizer=tokenizer,
     )
     results = suite.run_llmpipe(ours, requests, warmup, plan)
     if peers:

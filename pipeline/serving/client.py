@@ -141,7 +141,8 @@ def _first(value: Any) -> Any:
     return array.reshape(-1)[0] if array.size else None
 
 
-def _text(value: Any) -> str:
+def output_text(value: Any) -> str:
+    """A text output's string (text_output: a BYTES tensor over gRPC, a JSON string over HTTP)."""
     item = _first(value)
     if item is None:
         return ""
@@ -153,7 +154,7 @@ def _chunk(outputs: Outputs) -> Chunk:
     cum_value = _first(cum) if cum is not None else None
     log_probs = outputs("output_log_probs")
     return Chunk(
-        _text(outputs("text_output")),
+        output_text(outputs("text_output")),
         None if cum_value is None else float(cum_value),
         [] if log_probs is None else [float(v) for v in np.asarray(log_probs).reshape(-1)],
     )

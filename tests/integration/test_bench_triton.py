@@ -5,10 +5,12 @@ and server-side errors recorded per request."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 
-from pipeline.bench.clients.triton import triton_target
+from pipeline.bench.clients.triton import EnsembleCounting, triton_target
 from pipeline.bench.load import run_closed_loop
 from pipeline.bench.requests import BenchRequest
 from pipeline.errors import ServingError
@@ -34,8 +36,9 @@ output [ { name: "text_output" data_type: TYPE_STRING dims: [ -1 ] } ]
 instance_group [ { kind: KIND_CPU count: 1 } ]
 """
 
-# Streams max_tokens responses 10 ms apart after 50 ms; refuses requests that do not force their length
-# greedily (min_tokens == max_tokens, top_k == 1), and prompts saying "fail".
+# Streams max_tokens responses 10 ms apart after 50 ms (prompts saying "pairs": half as many, each with
+# two words, as a speculative step's); refuses requests that do not force their length greedily
+# (min_tokens == max_tokens, top_k == 1), and prompts saying "fail".
 MODEL = """
 import threading, time
 import numpy as np
@@ -62,8 +65,9 @@ class TritonPythonModel:
             sender.send(pb_utils.InferenceResponse(error=error), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
         time.sleep(0.05)
-        for _ in range(max_tokens):
-            out = pb_utils.Tensor("text_output", np.array([b"tok"], dtype=object))
+        pieces = [b" tok tok"] * (max_tokens // 2) if "pairs" in prompt else [b"tok"] * max_tokens
+        for piece in pieces:
+            out = pb_utils.Tensor("text_output", np.array([piece], dtype=object))
             sender.send(pb_utils.InferenceResponse(output_tensors=[out]))
             time.sleep(0.01)
         sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
@@ -100,6 +104,24 @@ def test_streams_are_timed_per_response(server: TritonServer, protocol: str) -> 
     assert m.total_output_tokens == sum(4 + i % 3 for i in range(6))
     assert m.ttft_s is not None and 0.05 <= m.ttft_s.p50 < 0.5
     assert m.itl_s is not None and 0.005 <= m.itl_s.p50 < 0.1
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_responses_of_several_tokens_are_counted_by_their_text(
+    server: TritonServer, protocol: str, tiny_llama_dir: Path
+) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    per_response = len(tokenizer(" tok tok", add_special_tokens=False)["input_ids"])
+    assert per_response > 1
+    url = f"grpc://{server.grpc_url}" if protocol == "grpc" else f"http://{server.http_url}"
+    target = triton_target(url, counting=EnsembleCounting(tokenizer=tokenizer))
+    try:
+        result = run_closed_loop(target, _requests(2, prompt="pairs please"), concurrency=2)
+    finally:
+        target.close()
+    for record in result.records:
+        assert record.error is None
+        assert record.response_tokens == [per_response] * (record.num_expected_tokens // 2)
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])

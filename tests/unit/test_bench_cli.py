@@ -48,7 +48,8 @@ def test_user_mistakes_are_one_line_errors(
     [
         (["localhost:8001", "--in-process"], "--in-process needs a CONFIG"),
         ([TINY_CONFIG, "--compare", "hf", "--rate", "1"], "peers are measured closed-loop"),
-        ([TINY_CONFIG, "--log-probs"], "--log-probs is for --in-process runs"),
+        ([TINY_CONFIG, "--log-probs", "--protocol", "openai"], "the OpenAI front-end returns no log-probs"),
+        ([TINY_CONFIG, "--log-probs", "--model", "tensorrt_llm"], "token ids count themselves"),
         ([TINY_CONFIG, "--in-process", "--log-probs", "--speculation", "ngram"], "run them separately"),
     ],
 )

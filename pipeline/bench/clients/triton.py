@@ -4,10 +4,9 @@ pipeline.serving.client.
 Two models can be driven: `ensemble` (text in, text out: tokenization and detokenization included, what a
 user calls) and `tensorrt_llm` (token ids in and out, like tensorrtllm_backend's benchmark_core_model.py).
 Each streamed response is one engine step's delta for the request. The tensorrt_llm model's ids say how
-many tokens it holds; the ensemble's text does not, so its tokens are counted from output_log_probs (one
-value per token in llmpipe's responses, also with speculative decoding's several tokens per step, none in
-a closing response that carries no new token), else as one per response. Where the model takes `return_perf_metrics`, requests set it and the final
-response's acceptance outputs become the record's draft counts.
+many tokens it holds; the ensemble's text does not, so EnsembleCounting counts them. Where the model
+takes `return_perf_metrics`, requests set it and the final response's acceptance outputs become the
+record's draft counts.
 """
 
 from __future__ import annotations
@@ -24,7 +23,14 @@ import numpy as np
 from pipeline.bench.metrics import DraftCounts
 from pipeline.bench.requests import BenchRequest
 from pipeline.errors import ServingError
-from pipeline.serving.client import GenerationOptions, GrpcClient, HttpClient, Outputs, request_json
+from pipeline.serving.client import (
+    GenerationOptions,
+    GrpcClient,
+    HttpClient,
+    Outputs,
+    output_text,
+    request_json,
+)
 
 MODELS = ("ensemble", "tensorrt_llm")
 PERF_METRICS_INPUT = "return_perf_metrics"
@@ -84,17 +90,44 @@ def ensemble_token_count(output_log_probs: Any) -> int:
     return 1 if output_log_probs is None else int(np.asarray(output_log_probs).size)
 
 
+class EnsembleCounting:
+    """How many tokens each of the ensemble's streamed responses carries.
+
+    With `log_probs`, requests ask for each token's log-prob and a response counts its values: exact, but
+    the engine then computes the whole vocabulary's logits every step, which a request for text alone
+    spares it. Without (the default), a response's text is tokenized on its own as it arrives, as genai-perf
+    counts responses: at least one token when it has text, all of a response's steps under a stream
+    interval. A response ends on a token boundary, so a word split over two responses counts as generated,
+    not as the whole text would re-tokenize. Without a tokenizer, a response with text is one token.
+    """
+
+    def __init__(self, log_probs: bool = False, tokenizer: Any | None = None) -> None:
+        self.log_probs, self.tokenizer = log_probs, tokenizer
+        self._lock = threading.Lock()  # the threads' streams share one tokenizer
+
+    def tokens(self, outputs: Outputs) -> int:
+        """Tokens in one response (0 for one without text, such as a stream's closing response)."""
+        if self.log_probs:
+            return ensemble_token_count(outputs("output_log_probs"))
+        piece = output_text(outputs("text_output"))
+        if not piece:
+            return 0
+        if self.tokenizer is None:
+            return 1
+        with self._lock:
+            return max(1, len(self.tokenizer(piece, add_special_tokens=False)["input_ids"]))
+
+
 def _request_body(
-    request: BenchRequest, model: str, inputs: ModelInputs, min_tokens_equal_max: bool
+    request: BenchRequest, model: str, inputs: ModelInputs, min_tokens_equal_max: bool, log_probs: bool
 ) -> dict[str, Any]:
     if model == "ensemble":
         if request.prompt is None:
             raise ValueError(f"request {request.index} has no prompt text (pass a tokenizer)")
-        # The log-probs (one per token) are how an ensemble response tells how many tokens it carries.
         options = GenerationOptions(
             max_tokens=request.output_tokens,
             stream=True,
-            return_log_probs=True,
+            return_log_probs=True if log_probs else None,
             apply_chat_template=True if request.chat else None,
         )
         # Only what the served ensemble declares: other deployments (other releases) lack some inputs.
@@ -125,14 +158,14 @@ def _request_body(
     return body
 
 
-def _counts(model: str, outputs: Outputs) -> Iterator[int | DraftCounts]:
+def _counts(model: str, outputs: Outputs, ensemble: EnsembleCounting) -> Iterator[int | DraftCounts]:
     """What one response adds for the load generator: its token count, and the draft counts it carries."""
     if model == "tensorrt_llm":
         ids = outputs("output_ids")
         if ids is not None:
             yield int(np.asarray(ids).shape[-1])
     elif outputs("text_output") is not None:
-        yield ensemble_token_count(outputs("output_log_probs"))
+        yield ensemble.tokens(outputs)
     drafts = draft_counts(outputs("total_draft_tokens"), outputs("total_accepted_draft_tokens"))
     if drafts is not None:
         yield drafts
@@ -148,11 +181,13 @@ class TritonGrpcTarget:
         min_tokens_equal_max: bool = True,
         name: str | None = None,
         timeout_s: float = 600.0,
+        counting: EnsembleCounting | None = None,
     ) -> None:
         if model not in MODELS:
             raise ServingError(f"--model {model!r} is not one of {', '.join(MODELS)}")
         self.url, self.model, self.timeout_s = url, model, timeout_s
         self.min_tokens_equal_max = min_tokens_equal_max
+        self.counting = counting or EnsembleCounting()
         self.name = name or f"triton-grpc-{model}"
         self._local = threading.local()
         self._clients: list[GrpcClient] = []
@@ -162,7 +197,8 @@ class TritonGrpcTarget:
             self.inputs = ModelInputs.from_config(probe.model_config())
         # What the load generator reads: the server then serializes, and this process parses, 2-4 tensors
         # per response instead of every output.
-        names = ["output_ids"] if model == "tensorrt_llm" else ["text_output", "output_log_probs"]
+        names = ["output_ids"] if model == "tensorrt_llm" else ["text_output"]
+        names += ["output_log_probs"] if model == "ensemble" and self.counting.log_probs else []
         names += ["total_draft_tokens", "total_accepted_draft_tokens"]
         self._outputs = [n for n in names if n in self.inputs.outputs]
 
@@ -175,12 +211,13 @@ class TritonGrpcTarget:
         return client
 
     def stream(self, request: BenchRequest) -> Iterator[int | DraftCounts]:
-        body = _request_body(request, self.model, self.inputs, self.min_tokens_equal_max)
+        log_probs = self.counting.log_probs
+        body = _request_body(request, self.model, self.inputs, self.min_tokens_equal_max, log_probs)
         responses = self._client().responses(
             body, f"bench-{next(self._ids)}", self._outputs, batched=self.inputs.batched
         )
         for outputs in responses:
-            yield from _counts(self.model, outputs)
+            yield from _counts(self.model, outputs, self.counting)
 
     def close(self) -> None:
         with self._lock:
@@ -199,27 +236,34 @@ class TritonHttpTarget:
         min_tokens_equal_max: bool = True,
         name: str | None = None,
         timeout_s: float = 600.0,
+        counting: EnsembleCounting | None = None,
     ) -> None:
         if model != "ensemble":
             raise ServingError("the HTTP generate_stream endpoint takes text: use --model ensemble (or gRPC)")
         self.model = model
         self.min_tokens_equal_max = min_tokens_equal_max
+        self.counting = counting or EnsembleCounting()
         self.name = name or "triton-http-ensemble"
         self.client = HttpClient(url, model, timeout_s)
         self.inputs = ModelInputs.from_config(self.client.model_config())
 
     def stream(self, request: BenchRequest) -> Iterator[int | DraftCounts]:
-        body = _request_body(request, self.model, self.inputs, self.min_tokens_equal_max)
+        log_probs = self.counting.log_probs
+        body = _request_body(request, self.model, self.inputs, self.min_tokens_equal_max, log_probs)
         for outputs in self.client.responses(body):
-            yield from _counts(self.model, outputs)
+            yield from _counts(self.model, outputs, self.counting)
 
     def close(self) -> None:
         """Nothing to release: each request opens and closes its own connection."""
 
 
 def triton_target(
-    url: str, model: str = "ensemble", min_tokens_equal_max: bool = True, name: str | None = None
+    url: str,
+    model: str = "ensemble",
+    min_tokens_equal_max: bool = True,
+    name: str | None = None,
+    counting: EnsembleCounting | None = None,
 ) -> TritonGrpcTarget | TritonHttpTarget:
     protocol, host_port = parse_url(url)
     cls = TritonHttpTarget if protocol == "http" else TritonGrpcTarget
-    return cls(host_port, model, min_tokens_equal_max, name)
+    return cls(host_port, model, min_tokens_equal_max, name, counting=counting)
