@@ -170,12 +170,15 @@ def test_ensemble_and_bls_pass_the_acceptance_outputs_on(
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_bench_clients_count_every_token_and_read_the_drafts(server: TritonServer, protocol: str) -> None:
-    from pipeline.bench.clients.triton import triton_target
+    from pipeline.bench.clients.triton import EnsembleCounting, triton_target
     from pipeline.bench.load import run_closed_loop
     from pipeline.bench.requests import BenchRequest
 
     url = f"{protocol}://{server.grpc_url if protocol == 'grpc' else server.http_url}"
-    target = triton_target(url, "ensemble", min_tokens_equal_max=True)
+    # counted exactly, by the log-probs (`llmpipe bench --log-probs`)
+    target = triton_target(
+        url, "ensemble", min_tokens_equal_max=True, counting=EnsembleCounting(log_probs=True)
+    )
     requests = [BenchRequest(index=i, output_tokens=32, prompt=f"{TEXT_PROMPT} {i}") for i in range(2)]
     try:
         result = run_closed_loop(target, requests, concurrency=2)
