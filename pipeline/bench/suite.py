@@ -244,7 +244,7 @@ class OursSpec:
     workload: str | None = None  # the workload's name, for the measurement keys of a speculation sweep
     # ask for each token's log-prob (in-process, or from the ensemble, whose tokens are then counted by them)
     log_probs: bool = False
-    tokenizer: Any | None = None  # re-tokenizes the ensemble's streamed text to count its tokens
+    tokenizer: Any | None = None  # tokenizes the ensemble's streamed responses to count their tokens
 
 
 def speculation_args(cfg: Any, mode: str) -> SpeculationArgs:

@@ -33,9 +33,9 @@ _OPENAI_URL = re.compile(r"/v1/?$")
     is_flag=True,
     help="Ask for each token's log-probability, in-process or from the ensemble (whose streamed responses "
     "are then counted exactly by them). A log-probability needs the whole vocabulary's logits, a greedy "
-    "token alone does not, so the engine does more work per token. Without it the ensemble's text is "
-    "counted as genai-perf counts it: one token per response with text, and the whole text re-tokenized "
-    "at the end adds any it did not show.",
+    "token alone does not, so the engine does more work per token. Without it each streamed response's "
+    "text is tokenized on its own as it arrives, as genai-perf counts a response (one under "
+    "serving.stream_interval holds several tokens).",
 )
 @click.option(
     "--protocol",
