@@ -157,29 +157,28 @@ def load_library() -> tuple[KernelLibrary | None, str]:
 
 
 @functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The feature flags /proc/cpuinfo lists for this CPU (empty where it cannot be read)."""
+def _cpuinfo_field(name: str) -> str | None:
+    """The value of the first `name` line of /proc/cpuinfo (None where it cannot be read or has none)."""
     try:
         text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
     except OSError:
-        return frozenset()
+        return None
     for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.partition(":")[2].split())
-    return frozenset()
+        key, _, value = line.partition(":")
+        if key.strip() == name:
+            return value.strip()
+    return None
 
 
 @functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The feature flags /proc/cpuinfo lists for this CPU (empty where it cannot be read)."""
+    return frozenset((_cpuinfo_field("flags") or "").split())
+
+
 def cpu_model() -> str:
     """The CPU's model name as /proc/cpuinfo gives it ("unknown" where it cannot be read)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return "unknown"
-    for line in text.splitlines():
-        if line.startswith("model name"):
-            return line.partition(":")[2].strip() or "unknown"
-    return "unknown"
+    return _cpuinfo_field("model name") or "unknown"
 
 
 def kernel_isa() -> str:
