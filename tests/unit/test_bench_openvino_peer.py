@@ -4,6 +4,7 @@ same isolation `make bench` uses. Outputs are forced to their length, so random 
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -50,3 +51,35 @@ def test_openvino_peer_streams_forced_lengths_in_its_own_venv(tiny_llama_dir: Pa
     assert keys["openvino.fp32.c4_tok_s"] > 0 and keys["openvino.fp32.single_decode_tok_s"] > 0
     exports = list(tmp_path.glob("openvino-*-weight-format-fp32/openvino_model.xml"))
     assert len(exports) == 1  # kept for the next run to reuse
+
+
+@pytest.mark.slow
+def test_openvino_bf16_runs_where_the_cpu_has_bf16_and_says_why_not_elsewhere(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    if not OPENVINO_PYTHON.is_file():
+        pytest.skip(f"no OpenVINO venv at {OPENVINO_PYTHON} (make bench-deps)")
+    capabilities = subprocess.run(
+        [
+            str(OPENVINO_PYTHON),
+            "-c",
+            "import openvino; print(*openvino.Core().get_property('CPU', 'OPTIMIZATION_CAPABILITIES'))",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    requests = (BenchRequest(index=0, output_tokens=3, input_ids=tuple(range(10, 20))),)
+    options = {"hf_dir": str(tiny_llama_dir), "cache_dir": str(tmp_path), "max_batch_size": 1, "threads": 2}
+    planned, problems = jobs.plan("openvino-bf16", ((1, requests),), (), options, OPENVINO_PYTHON)
+    assert problems == []
+    job, python = planned[0]
+    outcome = run_isolated(job, python, timeout_s=600)
+    if "BF16" in capabilities:
+        assert outcome.failure is None
+        assert [r.num_output_tokens for r in outcome.results[0].records] == [3]
+    else:
+        assert outcome.failure is not None
+        assert "no bf16 inference on this CPU" in outcome.failure and "AVX512_BF16 or AMX" in outcome.failure
+        assert outcome.results == []
+        assert not list(tmp_path.glob("openvino-*"))  # refused before exporting anything

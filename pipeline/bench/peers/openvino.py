@@ -27,6 +27,7 @@ from pipeline.bench.load import OnRecord, RunResult
 from pipeline.bench.metrics import RequestRecord
 from pipeline.bench.peers import batch_result, source_identity
 from pipeline.bench.requests import BenchRequest
+from pipeline.errors import BackendUnavailableError
 
 # precision -> (`optimum-cli export openvino` weight options, CPU inference precision)
 PRECISIONS: dict[str, tuple[tuple[str, ...], str]] = {
@@ -59,12 +60,26 @@ def load(job: PeerJob) -> OpenVINOPeer:
     """The worker's loader: export on first use (cached under the job's cache_dir, keyed by the
     checkpoint's identity), then load the pipeline."""
     o = job.options
-    weight_options, _ = PRECISIONS[job.precision]
+    weight_options, inference = PRECISIONS[job.precision]
+    _require_inference_precision(inference)
     hf_dir = Path(o["hf_dir"])
     key = source_identity(*sorted(hf_dir.glob("*.safetensors")))
     name = "-".join([f"openvino-{key}", *(option.removeprefix("--") for option in weight_options)])
     model_dir = export(hf_dir, Path(o["cache_dir"]) / name, weight_options)
     return OpenVINOPeer(model_dir, job.precision, o["max_batch_size"], o.get("threads"))
+
+
+def _require_inference_precision(inference: str) -> None:
+    """OpenVINO's CPU plugin computes in bf16 only where the CPU has bf16 instructions (AVX512_BF16, AMX);
+    elsewhere it falls back to f32 and refuses the bf16 KV cache, so there is no bf16 run to measure."""
+    import openvino
+
+    capabilities = openvino.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+    if inference == "bf16" and "BF16" not in capabilities:
+        raise BackendUnavailableError(
+            f"OpenVINO has no bf16 inference on this CPU (its CPU plugin offers {', '.join(capabilities)})",
+            hint="bf16 needs AVX512_BF16 or AMX; OpenVINO's fp32, int8 and int4 runs measure on any x86-64 CPU",
+        )
 
 
 class OpenVINOPeer:
