@@ -127,7 +127,7 @@ def _request_body(
         options = GenerationOptions(
             max_tokens=request.output_tokens,
             stream=True,
-            return_log_probs=True if log_probs else None,
+            return_log_probs=log_probs or None,
             apply_chat_template=True if request.chat else None,
         )
         # Only what the served ensemble declares: other deployments (other releases) lack some inputs.
@@ -211,8 +211,9 @@ class TritonGrpcTarget:
         return client
 
     def stream(self, request: BenchRequest) -> Iterator[int | DraftCounts]:
-        log_probs = self.counting.log_probs
-        body = _request_body(request, self.model, self.inputs, self.min_tokens_equal_max, log_probs)
+        body = _request_body(
+            request, self.model, self.inputs, self.min_tokens_equal_max, self.counting.log_probs
+        )
         responses = self._client().responses(
             body, f"bench-{next(self._ids)}", self._outputs, batched=self.inputs.batched
         )
@@ -248,8 +249,9 @@ class TritonHttpTarget:
         self.inputs = ModelInputs.from_config(self.client.model_config())
 
     def stream(self, request: BenchRequest) -> Iterator[int | DraftCounts]:
-        log_probs = self.counting.log_probs
-        body = _request_body(request, self.model, self.inputs, self.min_tokens_equal_max, log_probs)
+        body = _request_body(
+            request, self.model, self.inputs, self.min_tokens_equal_max, self.counting.log_probs
+        )
         for outputs in self.client.responses(body):
             yield from _counts(self.model, outputs, self.counting)
 

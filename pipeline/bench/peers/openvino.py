@@ -72,10 +72,12 @@ def load(job: PeerJob) -> OpenVINOPeer:
 def _require_inference_precision(inference: str) -> None:
     """OpenVINO's CPU plugin computes in bf16 only where the CPU has bf16 instructions (AVX512_BF16, AMX);
     elsewhere it falls back to f32 and refuses the bf16 KV cache, so there is no bf16 run to measure."""
+    if inference != "bf16":
+        return
     import openvino
 
     capabilities = openvino.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
-    if inference == "bf16" and "BF16" not in capabilities:
+    if "BF16" not in capabilities:
         raise BackendUnavailableError(
             f"OpenVINO has no bf16 inference on this CPU (its CPU plugin offers {', '.join(capabilities)})",
             hint="bf16 needs AVX512_BF16 or AMX; OpenVINO's fp32, int8 and int4 runs measure on any x86-64 CPU",
