@@ -163,6 +163,42 @@ def test_other_layouts_match_op_by_op(
     check_layer(name, scheme, group, rows, 576, 1536, layout)
 
 
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("scheme", [None, "bf16", "int8", "w8a8", "int4"])
+def test_a_rows_layer_output_does_not_depend_on_the_rows_beside_it(scheme: str | None, threads: int) -> None:
+    """Steps of different row counts multiply in different forms (ymm or zmm registers; bf16 steps of one or two
+    rows by FMAs, larger ones by dpbf16), and many-row steps take K in slices: a sequence's hidden state must not
+    change with how many sequences share its step, on the vector register tiles. int4 rounds its operands one
+    way up to primitives.INT4_DIRECT_MAX_ROWS rows and another way above, so it is held to each range apart."""
+    shapes = [(576, 576), (2 * 1536, 576), (576, 1536), (960, 576)]
+    group = 64 if scheme == "int4" else None
+    layers = [make_linear(o, i, scheme, group, seed, bias=seed == 3)[0] for seed, (o, i) in enumerate(shapes)]
+    norms = [None, torch.rand(576) + 0.5, None, torch.rand(576) + 0.5]
+    plan = FusedDecoder.plan([FusedDecoder.layer_args(layers, norms)], EPS, "silu")
+    gen = torch.Generator().manual_seed(5)
+    hidden, attn = torch.randn(40, 576, generator=gen), torch.randn(40, 576, generator=gen)
+
+    def step(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        h = hidden[:rows].clone()
+        return h, plan.run(0, h, attn[:rows])
+
+    tiles, wide = kernels.set_tiles(False), kernels.set_wide_single_row(False)
+    try:
+        few = primitives.INT4_DIRECT_MAX_ROWS
+        groups = [(few, (1, 2, 3)), (40, (5, 17, 25))] if scheme == "int4" else [(40, (1, 2, 3, 4, 5, 17, 25))]
+        for together_rows, counts in groups:
+            together = step(together_rows)
+            for rows in counts:
+                for alone, shared in zip(step(rows), together, strict=True):
+                    assert torch.equal(alone, shared[:rows]), rows
+        kernels.set_wide_single_row(True)
+        for alone, shared in zip(step(1), step(40 if scheme != "int4" else few), strict=True):
+            assert torch.equal(alone, shared[:1])
+    finally:
+        kernels.set_tiles(tiles)
+        kernels.set_wide_single_row(wide)
+
+
 @pytest.mark.skipif(not kernels.tiles_available(), reason="no AMX tiles here")
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
 @pytest.mark.parametrize("scheme", ["bf16", "int8", "w8a8", "int4"])
