@@ -185,7 +185,9 @@ def test_a_rows_layer_output_does_not_depend_on_the_rows_beside_it(scheme: str |
     tiles, wide = kernels.set_tiles(False), kernels.set_wide_single_row(False)
     try:
         few = primitives.INT4_DIRECT_MAX_ROWS
-        groups = [(few, (1, 2, 3)), (40, (5, 17, 25))] if scheme == "int4" else [(40, (1, 2, 3, 4, 5, 17, 25))]
+        groups = (
+            [(few, (1, 2, 3)), (40, (5, 17, 25))] if scheme == "int4" else [(40, (1, 2, 3, 4, 5, 17, 25))]
+        )
         for together_rows, counts in groups:
             together = step(together_rows)
             for rows in counts:

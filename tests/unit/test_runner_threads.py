@@ -80,3 +80,12 @@ def test_the_one_row_vector_form_is_measured_and_applied(tiny_engine_dir: Path, 
         assert chosen is False
         return
     assert kernels.set_wide_single_row(chosen) is chosen  # the runner left its choice in place
+
+
+def test_the_prefetch_distance_is_measured_and_applied(tiny_engine_dir: Path, two_threads: None) -> None:
+    engine = _engine(tiny_engine_dir, None)
+    chosen = engine.runner.far_prefetch  # type: ignore[attr-defined]
+    if not kernels.kernels_available():
+        assert chosen is False
+        return
+    assert kernels.set_far_prefetch(chosen) is chosen  # the runner left its choice in place

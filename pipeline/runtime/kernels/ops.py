@@ -32,6 +32,7 @@ _OP_NAMES = (
     "paged_attention",
     "add_rms_norm",
     "set_wide_single_row",
+    "set_far_prefetch",
     "set_tiles",
     "tiles_available",
 )
@@ -243,6 +244,13 @@ def set_wide_single_row(on: bool) -> bool:
     either way, only the speed differs by CPU). Process-wide; returns the previous setting (always False where
     the build has no such form)."""
     return bool(_op("set_wide_single_row")(on))
+
+
+def set_far_prefetch(on: bool) -> bool:
+    """Whether the kernels' register tiles prefetch every weight stream far ahead into L2 (on) or, except for
+    fp32 steps of several rows, one block ahead into L1 (off). Which is faster depends on the CPU's memory
+    system; the results are the same bits either way. Process-wide; returns the previous setting."""
+    return bool(_op("set_far_prefetch")(on))
 
 
 def set_tiles(on: bool) -> bool:

@@ -140,6 +140,13 @@ inline void tile_sums(const V acc[NB][MB], T out[NB][MB]);
 // AMX ran alike and int8 weights 10-20 % slower at 4-8 rows, so those keep L1 one block ahead.
 constexpr int kFarPrefetchMinRows = 2;
 constexpr int64_t kFarAheadBlocks = 3;
+// Whether every weight stream (every format, every row count) prefetches far ahead into L2. On Zen 4 (2 threads,
+// `scripts/bench_kernels.py ab`, SmolLM2-135M decoder layers, near / far) that ran faster throughout: fp32 one row
+// 13.11 / 10.48 ms; bf16 1 row 6.27 / 5.37, 2 rows 6.78 / 5.03, 4 rows 9.10 / 7.10, 8 rows 10.41 / 7.23, 16 rows
+// 13.79 / 11.17; int8 1 row 3.77 / 3.38, 4 rows 5.01 / 4.05, 16 rows 12.04 / 11.79. On the AMX Xeon above it was
+// slower where the two differ. Results are the same bits either way: the runner times one-row steps both ways
+// at load and sets this (set_far_prefetch).
+inline std::atomic<bool> far_prefetch{false};
 
 // A weight vector that MB > 1 activation rows multiply is read into a register once. GCC 12 instead folded the
 // read into each of its FMAs as a memory operand in the AVX2 build's 4 x 2 fp32 tiles: 10 loads for 8 FMAs a
@@ -168,15 +175,21 @@ inline void load_once(Narrow& v) {
 template <typename O, int NB, int MB, typename A, typename TX, typename TW>
 inline void tile_steps(const TX* x, int64_t ldx, const TW* w, int64_t ldw, int64_t k0, int64_t k1, int step,
                        const void* next, A acc[NB][MB], int64_t share = 0, int64_t shares = 1) {
-  constexpr bool far = std::is_same_v<TW, float> && MB >= kFarPrefetchMinRows;
+  const bool far = (std::is_same_v<TW, float> && MB >= kFarPrefetchMinRows) ||
+                   far_prefetch.load(std::memory_order_relaxed);
   // An address, not a pointer: the far lines may lie past the end of the weights (a prefetch never faults).
   uintptr_t pf = reinterpret_cast<uintptr_t>(next);
-  if constexpr (far) pf += (kFarAheadBlocks - 1) * (pf - reinterpret_cast<uintptr_t>(w));
+  if (far) pf += (kFarAheadBlocks - 1) * (pf - reinterpret_cast<uintptr_t>(w));
   int64_t turn = k0 / step % shares;  // whose share the k-step's lines are
   for (int64_t k = k0; k + step <= k1; k += step) {
     if (turn == share)
-      for (int j = 0; j < NB * step * int(sizeof(TW)); j += 64)
-        prefetch_line<far ? 1 : 0>(reinterpret_cast<const char*>(pf + k * NB * sizeof(TW) + j));
+      for (int j = 0; j < NB * step * int(sizeof(TW)); j += 64) {
+        const char* line = reinterpret_cast<const char*>(pf + k * NB * sizeof(TW) + j);
+        if (far)
+          prefetch_line<1>(line);
+        else
+          prefetch_line<0>(line);
+      }
     if (++turn == shares) turn = 0;
     O xv[MB];
     #pragma GCC unroll 16

@@ -188,6 +188,10 @@ bool set_wide_single_row(bool on) {
 #endif
 }
 
+// Every weight stream of the register tiles prefetched far ahead into L2 (on), or only fp32 steps of several rows
+// (off); returns the previous setting.
+bool set_far_prefetch(bool on) { return llmp::far_prefetch.exchange(on); }
+
 // bf16, int8 and int4 linears of whole-tile shapes on AMX tiles (on) or on the register tiles (off); returns the
 // previous setting. Builds without AMX, or a kernel that refuses the tile state, have only the latter: there it
 // stays off.
@@ -300,6 +304,7 @@ TORCH_LIBRARY(llmpipe_quant, m) {
       "int num_heads, int block_size, int window, int max_context, float scale, float softcap=0.) -> Tensor");
   m.def("add_rms_norm(Tensor(a!) hidden, Tensor? delta, Tensor weight, float eps) -> Tensor");
   m.def("set_wide_single_row(bool on) -> bool", set_wide_single_row);
+  m.def("set_far_prefetch(bool on) -> bool", set_far_prefetch);
   m.def("set_tiles(bool on) -> bool", set_tiles);
   m.def("tiles_available() -> bool", tiles_available);
 }
