@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -163,6 +164,17 @@ def test_other_layouts_match_op_by_op(
     check_layer(name, scheme, group, rows, 576, 1536, layout)
 
 
+def smollm2_layer(scheme: str | None, seed: int) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """A SmolLM2-shaped decoder layer's plan (int4 at group size 64) and 40 rows of its inputs: hidden, attention."""
+    shapes = [(576, 576), (2 * 1536, 576), (576, 1536), (960, 576)]
+    group = 64 if scheme == "int4" else None
+    layers = [make_linear(o, i, scheme, group, s, bias=s == 3)[0] for s, (o, i) in enumerate(shapes)]
+    norms = [None, torch.rand(576) + 0.5, None, torch.rand(576) + 0.5]
+    plan = FusedDecoder.plan([FusedDecoder.layer_args(layers, norms)], EPS, "silu")
+    gen = torch.Generator().manual_seed(seed)
+    return plan, torch.randn(40, 576, generator=gen), torch.randn(40, 576, generator=gen)
+
+
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
 @pytest.mark.parametrize("scheme", [None, "bf16", "int8", "w8a8", "int4"])
 def test_a_rows_layer_output_does_not_depend_on_the_rows_beside_it(scheme: str | None, threads: int) -> None:
@@ -170,13 +182,7 @@ def test_a_rows_layer_output_does_not_depend_on_the_rows_beside_it(scheme: str |
     rows by FMAs, larger ones by dpbf16), and many-row steps take K in slices: a sequence's hidden state must not
     change with how many sequences share its step, on the vector register tiles. int4 rounds its operands one
     way up to primitives.INT4_DIRECT_MAX_ROWS rows and another way above, so it is held to each range apart."""
-    shapes = [(576, 576), (2 * 1536, 576), (576, 1536), (960, 576)]
-    group = 64 if scheme == "int4" else None
-    layers = [make_linear(o, i, scheme, group, seed, bias=seed == 3)[0] for seed, (o, i) in enumerate(shapes)]
-    norms = [None, torch.rand(576) + 0.5, None, torch.rand(576) + 0.5]
-    plan = FusedDecoder.plan([FusedDecoder.layer_args(layers, norms)], EPS, "silu")
-    gen = torch.Generator().manual_seed(5)
-    hidden, attn = torch.randn(40, 576, generator=gen), torch.randn(40, 576, generator=gen)
+    plan, hidden, attn = smollm2_layer(scheme, 5)
 
     def step(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         h = hidden[:rows].clone()
@@ -209,13 +215,7 @@ def test_layers_on_amx_tiles(scheme: str, threads: int) -> None:
     register tiles' bits, bf16 and int4 (bf16 products in steps of more than 4 rows) with their values up to the order of the
     fp32 sums; and a row's result does not depend on how many rows share its step, from the fewest each format
     takes to the tiles to 40 (several B tiles)."""
-    shapes = [(576, 576), (2 * 1536, 576), (576, 1536), (960, 576)]
-    group = 64 if scheme == "int4" else None
-    layers = [make_linear(o, i, scheme, group, seed, bias=seed == 3)[0] for seed, (o, i) in enumerate(shapes)]
-    norms = [None, torch.rand(576) + 0.5, None, torch.rand(576) + 0.5]
-    plan = FusedDecoder.plan([FusedDecoder.layer_args(layers, norms)], EPS, "silu")
-    gen = torch.Generator().manual_seed(3)
-    hidden, attn = torch.randn(40, 576, generator=gen), torch.randn(40, 576, generator=gen)
+    plan, hidden, attn = smollm2_layer(scheme, 3)
 
     def step(rows: int, tiles: bool) -> tuple[torch.Tensor, torch.Tensor]:
         before = kernels.set_tiles(tiles)

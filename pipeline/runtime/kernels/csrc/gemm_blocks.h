@@ -144,8 +144,8 @@ constexpr int64_t kFarAheadBlocks = 3;
 // `scripts/bench_kernels.py ab`, SmolLM2-135M decoder layers, near / far) that ran faster throughout: fp32 one row
 // 13.11 / 10.48 ms; bf16 1 row 6.27 / 5.37, 2 rows 6.78 / 5.03, 4 rows 9.10 / 7.10, 8 rows 10.41 / 7.23, 16 rows
 // 13.79 / 11.17; int8 1 row 3.77 / 3.38, 4 rows 5.01 / 4.05, 16 rows 12.04 / 11.79. On the AMX Xeon above it was
-// slower where the two differ. Results are the same bits either way: the runner times one-row steps both ways
-// at load and sets this (set_far_prefetch).
+// slower where the two differ. Results are the same bits either way: the runner times a one- and a four-row step
+// both ways at load and sets this (set_far_prefetch).
 inline std::atomic<bool> far_prefetch{false};
 
 // A weight vector that MB > 1 activation rows multiply is read into a register once. GCC 12 instead folded the
