@@ -42,9 +42,9 @@ T = TypeVar("T")
 
 
 def _fastest(options: Sequence[T], use: Callable[[T], object], run: Callable[[], object]) -> T:
-    """The option (applied by `use`) under which `run` takes least time: SINGLE_ROW_PROBE_REPEATS timings of
-    each after a warm-up, the options taking turns so that load from elsewhere lands on all; ties go to the
-    first."""
+    """The option (applied by `use`) under which `run` takes least time, left applied: SINGLE_ROW_PROBE_REPEATS
+    timings of each after a warm-up, the options taking turns so that load from elsewhere lands on all; ties go
+    to the first."""
     best = dict.fromkeys(options, math.inf)
     with torch.inference_mode():
         use(options[0])
@@ -55,7 +55,9 @@ def _fastest(options: Sequence[T], use: Callable[[T], object], run: Callable[[],
                 start = time.perf_counter()
                 run()
                 best[option] = min(best[option], time.perf_counter() - start)
-    return min(options, key=best.__getitem__)
+    fastest = min(options, key=best.__getitem__)
+    use(fastest)
+    return fastest
 
 
 _MODEL_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -226,9 +228,7 @@ class ModelRunner:
         if not (self.device.type == "cpu" and has_wide_vectors() and kernels.kernels_available()):
             return False
         with self._threads_for(1):
-            wide = _fastest((False, True), kernels.set_wide_single_row, one_row_pass)
-        kernels.set_wide_single_row(wide)
-        return wide
+            return _fastest((False, True), kernels.set_wide_single_row, one_row_pass)
 
     def _faster_prefetch(
         self, one_row_pass: Callable[[], object], four_row_pass: Callable[[], object]
@@ -244,12 +244,9 @@ class ModelRunner:
         def both_passes() -> None:
             with self._threads_for(1):
                 one_row_pass()
-            with self._threads_for(4):
-                four_row_pass()
+            four_row_pass()
 
-        far = _fastest((False, True), kernels.set_far_prefetch, both_passes)
-        kernels.set_far_prefetch(far)
-        return far
+        return _fastest((False, True), kernels.set_far_prefetch, both_passes)
 
     def _decode_pass(self, layer: LayerWeights, rows: int) -> Callable[[], object]:
         """What a decode step of `rows` rows runs beside attention: the fused decoder kernel over every layer
