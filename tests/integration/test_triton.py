@@ -74,6 +74,13 @@ def unary(
 # --- decoupled (streaming) deployment ---
 
 
+def test_the_engine_reports_its_load_in_the_server_log(streaming: TritonServer) -> None:
+    assert streaming.log_path is not None
+    log = streaming.log_path.read_text(encoding="utf-8")
+    loaded = [line for line in log.splitlines() if "model runner:" in line]
+    assert loaded and "KV blocks" in loaded[0] and "timed here" in loaded[0], log[-3000:]
+
+
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_http_generate_and_generate_stream_equal_the_engine(
     streaming: TritonServer, expected: dict, prompt: str

@@ -150,7 +150,7 @@ class ModelRunner:
         self.sampler = Sampler(args.seed)
         logger.info(
             "model runner: %s on %s (%s, layer weights %s), %d KV blocks of %d tokens (%s, %.2f GiB), "
-            "attention=%s",
+            "attention=%s; timed here: one-row steps on %d thread(s)%s, weights prefetched %s",
             model_cfg.architecture,
             self.device,
             self.dtype,
@@ -160,6 +160,9 @@ class ModelRunner:
             "int8" if self.kv_int8 else kv_dtype,
             self.kv_cache.num_bytes / 2**30,
             self.attention_backend,
+            self.single_row_threads,
+            " with 512-bit vectors" if self.wide_single_row else "",
+            "far ahead into L2" if self.far_prefetch else "one block ahead into L1",
         )
 
     @classmethod

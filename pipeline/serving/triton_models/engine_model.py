@@ -137,6 +137,7 @@ class EngineModel(abc.ABC):
         """Load the engine of `settings` and start serving it (`args` are initialize's); a load failure names
         `engine_dir_source`, where the engine folder was configured."""
         self.settings = settings
+        tu.forward_logs()
         self.output_names = tuple(output["name"] for output in json.loads(args["model_config"])["output"])
         try:
             engine = LLMEngine.from_engine_dir(settings.engine_dir, settings.engine_args)

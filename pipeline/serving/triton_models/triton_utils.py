@@ -5,6 +5,7 @@ Imported only inside a Triton stub (or a test that installs tests/stub_pb_utils.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -175,3 +176,24 @@ def log_info(message: str) -> None:
 
 def log_error(message: str) -> None:
     pb_utils.Logger.log_error(message)
+
+
+class _TritonLogHandler(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        message = self.format(record)
+        if record.levelno >= logging.ERROR:
+            pb_utils.Logger.log_error(message)
+        elif record.levelno >= logging.WARNING:
+            pb_utils.Logger.log_warn(message)
+        else:
+            pb_utils.Logger.log_info(message)
+
+
+def forward_logs(name: str = "pipeline") -> None:
+    """Send logger `name`'s INFO and above to tritonserver's log: a stub's Python logging is otherwise
+    unconfigured, and what the engine reports at load (KV blocks, the choices it timed) would be lost."""
+    logger = logging.getLogger(name)
+    if not any(isinstance(h, _TritonLogHandler) for h in logger.handlers):
+        logger.addHandler(_TritonLogHandler())
+    if logger.getEffectiveLevel() > logging.INFO:
+        logger.setLevel(logging.INFO)
