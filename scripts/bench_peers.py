@@ -11,8 +11,8 @@ Workloads (greedy, outputs forced to their length):
   - scaling sweep (pipeline/bench/sweep.py, --no-sweep skips it): llmpipe fp32 in-process, with a plot.
 
 Systems: llmpipe per precision (--precisions; in-process, and through Triton when its model repository
-builds and serves: the ensemble's streamed text, its tokens counted as genai-perf counts them, beside the
-same requests in-process), HF transformers (one at a time, padded static
+builds and serves: the ensemble's streamed text, its tokens counted as genai-perf counts them, taking
+turns with the same requests in-process), HF transformers (one at a time, padded static
 batch), llama.cpp f32/bf16/Q8_0/Q4_1 (llama-cpp-python; continuous batching through its low-level batch
 API), CTranslate2 float32/int8 and OpenVINO GenAI fp32/bf16/int8/int4 (its ContinuousBatchingPipeline, on
 its own venv: `make bench-deps`).
@@ -27,6 +27,7 @@ passes --peer-timeout costs its own rows, and the page says how it ended.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import sys
@@ -137,20 +138,30 @@ def _closed(
 
 
 def _measure_ours(
-    target: Target,
-    path: str,
+    targets: list[tuple[Target, str]],
     precision: str,
     wl: dict[str, list[BenchRequest]],
+    problems: list[str],
     progress: bool,
 ) -> list[RunResult]:
-    """Warm-up, then one request at a time, then 16 at once: every llmpipe target alike, so each finds the
-    same prompts in its KV block cache."""
-    extra = {"engine": "llmpipe", "precision": precision, "path": path}
-    run_closed_loop(target, wl["warmup"], len(wl["warmup"]))
-    return [
-        _closed(target, wl["single"], 1, extra, progress),
-        _closed(target, wl["batch"], BATCH, extra, progress),
-    ]
+    """Each (target, path) warmed up, then the single requests on each in turn, then the batch on each in
+    turn: a run and the one it is compared with are seconds apart, not minutes, so a slow spell of this
+    shared machine lands on both (the same runs minutes apart differed by up to 15 % here). Each target gets
+    the same requests, so each finds the same prompts in its KV block cache. A target that raises is reported
+    and dropped; the others' rows stay."""
+    for target, _ in targets:
+        run_closed_loop(target, wl["warmup"], len(wl["warmup"]))
+    runs: dict[tuple[str, int], RunResult] = {}
+    live = list(targets)
+    for requests, concurrency in ((wl["single"], 1), (wl["batch"], BATCH)):
+        for target, path in list(live):
+            extra = {"engine": "llmpipe", "precision": precision, "path": path}
+            try:
+                runs[path, concurrency] = _closed(target, requests, concurrency, extra, progress)
+            except Exception as err:  # noqa: BLE001 - a failing server must not cost the in-process rows
+                _problem(problems, f"{target.name} c={concurrency}", err)
+                live.remove((target, path))
+    return [runs[key] for key in sorted(runs, key=lambda k: (k[0] != "inprocess", k[1]))]
 
 
 def _ttft_runs(
@@ -210,7 +221,8 @@ def run_ours(
     problems: list[str],
     weights: dict[str, int],
 ) -> tuple[list[RunResult], dict[str, float]]:
-    """Each precision in-process (and served); `weights` gets each engine's bytes read per decode step."""
+    """Each precision in-process and served, taking turns; `weights` gets each engine's bytes read per
+    decode step."""
     eos_id = tokenizer.eos_token_id
     results: list[RunResult] = []
     keys: dict[str, float] = {}
@@ -226,42 +238,40 @@ def run_ours(
             _problem(problems, f"llmpipe {precision} engine", err)
             continue
         try:
-            results += _measure_ours(engine, "inprocess", precision, wl, not args.no_progress)
+            with contextlib.ExitStack() as stack:
+                targets: list[tuple[Target, str]] = [(engine, "inprocess")]
+                if not args.no_serve:
+                    served = _served(precision, problems, tokenizer, stack)
+                    targets += [(served, "triton")] if served is not None else []
+                results += _measure_ours(targets, precision, wl, problems, not args.no_progress)
             if precision == "fp32":
                 ttft, keys = _ttft_runs(engine, wl["prompt256"], not args.no_progress)
                 results += ttft
         finally:
             engine.close()
-        if not args.no_serve:
-            results += _served(args, precision, wl, problems, tokenizer)
     return results, keys
 
 
 def _served(
-    args: argparse.Namespace,
-    precision: str,
-    wl: dict[str, list[BenchRequest]],
-    problems: list[str],
-    tokenizer: Any,
-) -> list[RunResult]:
+    precision: str, problems: list[str], tokenizer: Any, stack: contextlib.ExitStack
+) -> Target | None:
+    """A client of the precision's model repository under tritonserver, both closed by `stack`; None (and the
+    reason in `problems`) when it does not build or serve."""
     from pipeline.bench.clients.triton import EnsembleCounting, triton_target
 
-    results: list[RunResult] = []
     try:
         build = ensure_built(BUILDS[precision], until="package")
-        with _serve(build) as server:
-            client = triton_target(
-                f"grpc://{server.grpc_url}",
-                name=f"llmpipe-{precision}-triton",
-                counting=EnsembleCounting(tokenizer=tokenizer),
-            )
-            try:
-                results += _measure_ours(client, "triton", precision, wl, not args.no_progress)
-            finally:
-                client.close()
+        server = stack.enter_context(_serve(build))
+        client = triton_target(
+            f"grpc://{server.grpc_url}",
+            name=f"llmpipe-{precision}-triton",
+            counting=EnsembleCounting(tokenizer=tokenizer),
+        )
     except Exception as err:  # noqa: BLE001 - report the serving failure, keep the in-process numbers
         _problem(problems, f"llmpipe {precision} through Triton", err)
-    return results
+        return None
+    stack.callback(client.close)
+    return client
 
 
 def run_peers(
@@ -342,7 +352,8 @@ def _notes(args: argparse.Namespace, wl: dict[str, list[BenchRequest]], wall_s: 
         f"Workload: {len(batch)} shipped prompts ({min(r.num_input_tokens for r in batch)}-"
         f"{max(r.num_input_tokens for r in batch)} tokens), {args.output_tokens} output tokens each (forced), greedy. "
         f"Single-stream rows: the first {len(wl['single'])} prompts one at a time; c=16 / batch 16 rows: all "
-        f"{len(batch)} at once. prompt256 rows: synthetic {TTFT_PROMPT_TOKENS}-token prompts, "
+        f"{len(batch)} at once; llmpipe's in-process and Triton runs of a precision took turns. "
+        f"prompt256 rows: synthetic {TTFT_PROMPT_TOKENS}-token prompts, "
         f"{TTFT_OUTPUT_TOKENS.low}-{TTFT_OUTPUT_TOKENS.high} output tokens (uniform), after {TTFT_WARMUP} warm-up requests "
         f"{TTFT_SINGLE} one at a time and {TTFT_LOADED} others 16 at a time. 'decode tok/s per request' = "
         "1 / mean TPOT. Load avg = 1-minute load when the run "
