@@ -153,7 +153,8 @@ def _measure_ours(
         run_closed_loop(target, wl["warmup"], len(wl["warmup"]))
     runs: dict[tuple[str, int], RunResult] = {}
     live = list(targets)
-    for requests, concurrency in ((wl["single"], 1), (wl["batch"], BATCH)):
+    loads = ((wl["single"], 1), (wl["batch"], BATCH))
+    for requests, concurrency in loads:
         for target, path in list(live):
             extra = {"engine": "llmpipe", "precision": precision, "path": path}
             try:
@@ -161,7 +162,7 @@ def _measure_ours(
             except Exception as err:  # noqa: BLE001 - a failing server must not cost the in-process rows
                 _problem(problems, f"{target.name} c={concurrency}", err)
                 live.remove((target, path))
-    return [runs[key] for key in sorted(runs, key=lambda k: (k[0] != "inprocess", k[1]))]
+    return [runs[path, c] for _, path in targets for _, c in loads if (path, c) in runs]
 
 
 def _ttft_runs(

@@ -182,11 +182,11 @@ class _TritonLogHandler(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         message = self.format(record)
         if record.levelno >= logging.ERROR:
-            pb_utils.Logger.log_error(message)
+            log_error(message)
         elif record.levelno >= logging.WARNING:
             pb_utils.Logger.log_warn(message)
         else:
-            pb_utils.Logger.log_info(message)
+            log_info(message)
 
 
 def forward_logs(name: str = "pipeline") -> None:
